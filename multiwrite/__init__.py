@@ -1,0 +1,32 @@
+"""multiwrite: apply the block-table updates of every KV-cache group in one device launch.
+
+Stage writes on the host with `StagedWriteTensor.stage_write` or `BlockTables.append_block_ids`, then
+apply them all with one `FusedStagedWriter.apply` / `BlockTables.apply_staged_writes`. Backends are pluggy
+plugins (entry-point group `multiwrite`); `select_backend` picks the best one for a device.
+"""
+
+from multiwrite.backend import Backend, WriteBatch
+from multiwrite.block_tables import BlockTables
+from multiwrite.dispatch import BackendStatus, available_backends, get_plugin_manager, select_backend
+from multiwrite.errors import BackendUnavailableError, StagedWriteError
+from multiwrite.hookspecs import hookimpl
+from multiwrite.staging import StagedWriteTensor
+from multiwrite.writer import FusedStagedWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendStatus",
+    "BackendUnavailableError",
+    "BlockTables",
+    "FusedStagedWriter",
+    "StagedWriteError",
+    "StagedWriteTensor",
+    "WriteBatch",
+    "__version__",
+    "available_backends",
+    "get_plugin_manager",
+    "hookimpl",
+    "select_backend",
+]

@@ -1,0 +1,113 @@
+"""The `Backend` base class every backend plugin subclasses, and the `WriteBatch` it receives."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from multiwrite.staging import SUPPORTED_DTYPES, dtype_name
+
+
+class WriteBatch:
+    """The staged writes of one dtype that one `FusedStagedWriter.apply` hands to a backend.
+
+    Attributes:
+        tables: the target tables, 2-D tensors (possibly strided views) on the writer's device. A 1-D
+            `StagedWriteTensor` arrives as a `[n, 1]` view.
+        kernel_blocks_per_block: per table, `k`: each value `v` of a write into that table fills the
+            `k` cells `v * k + j`, `j = 0..k-1` (1 for plain tables).
+        meta: int32 `[num_writes, 5]`, one row per write in staging order, columns `META_TABLE`,
+            `META_ROW`, `META_START`, `META_LENGTH` (values, before expansion), `META_VALUE_OFFSET`.
+        values: `[num_values]` numpy array of the tables' dtype; write `w` reads
+            `values[offset:offset + length]`.
+        may_overlap: false guarantees that no two writes touch the same row of the same table, so they
+            can be applied in any order; when true, later writes must win where they overlap.
+
+    Every write was validated against its table's shape and dtype when staged. `meta` and `values`
+    may be views of the staging buffers: they are valid only until `Backend.apply` returns.
+    """
+
+    __slots__ = ("tables", "kernel_blocks_per_block", "meta", "values", "may_overlap")
+
+    def __init__(
+        self,
+        tables: Sequence[torch.Tensor],
+        kernel_blocks_per_block: Sequence[int],
+        meta: np.ndarray,
+        values: np.ndarray,
+        may_overlap: bool,
+    ):
+        self.tables = tables
+        self.kernel_blocks_per_block = kernel_blocks_per_block
+        self.meta = meta
+        self.values = values
+        self.may_overlap = may_overlap
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype shared by every table of the batch."""
+        return self.tables[0].dtype
+
+    @property
+    def num_writes(self) -> int:
+        """Number of staged writes, empty ones included."""
+        return int(self.meta.shape[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"WriteBatch({len(self.tables)} tables, {self.num_writes} writes, {self.values.shape[0]} values, "
+            f"{dtype_name(self.dtype)}, may_overlap={self.may_overlap})"
+        )
+
+
+class Backend:
+    """A way to apply staged writes on some devices. Subclass it and return an instance from the
+    `multiwrite_backends` hook of a plugin registered in the `multiwrite` entry-point group.
+
+    Class attributes:
+        NAME: the name users force it by (`backend=` or `MULTIWRITE_BACKEND`), e.g. `"torch-cpu"`.
+        PRIORITY: higher wins when several backends can run; the built-ins use 0 (`torch-cpu`) and
+            100 (`triton-cuda`, `triton-rocm`).
+        SUPPORTED_DEVICE_TYPES: torch device types it can write to, e.g. `{"cuda"}`.
+        SUPPORTED_DTYPES: table dtypes it can write.
+    """
+
+    NAME: ClassVar[str] = ""
+    PRIORITY: ClassVar[int] = 0
+    SUPPORTED_DEVICE_TYPES: ClassVar[frozenset[str]] = frozenset()
+    SUPPORTED_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset(SUPPORTED_DTYPES)
+
+    def priority(self, device: torch.device) -> int:
+        """Priority of this backend for `device`; `PRIORITY` unless a subclass knows better."""
+        return self.PRIORITY
+
+    def not_supported_reasons(self, device: torch.device, dtypes: Iterable[torch.dtype] = ()) -> list[str]:
+        """Why this backend cannot apply writes to tables of `dtypes` on `device`; empty if it can.
+
+        The base class checks the device type and dtypes; subclasses call `super()` and append their own
+        reasons. Each reason names the value found and what would be accepted.
+        """
+        reasons = []
+        if device.type not in self.SUPPORTED_DEVICE_TYPES:
+            allowed = ", ".join(sorted(self.SUPPORTED_DEVICE_TYPES))
+            reasons.append(f"device type {device.type} (supported: {allowed})")
+        for dtype in dtypes:
+            if dtype not in self.SUPPORTED_DTYPES:
+                allowed = ", ".join(sorted(dtype_name(d) for d in self.SUPPORTED_DTYPES))
+                reasons.append(f"dtype={dtype_name(dtype)} (supported: {allowed})")
+        return reasons
+
+    def apply(self, batches: Sequence[WriteBatch]) -> None:
+        """Apply every batch (one per dtype), each write in staging order where writes overlap.
+
+        Called once per `FusedStagedWriter.apply`. GPU backends enqueue their work on the current stream
+        and return without synchronizing; everything they read from `batches` must be consumed (copied or
+        guarded) before returning.
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.NAME!r}>"

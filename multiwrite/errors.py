@@ -1,0 +1,21 @@
+"""Exceptions raised by multiwrite."""
+
+from __future__ import annotations
+
+
+class StagedWriteError(ValueError):
+    """A staged write that cannot be applied to its table.
+
+    Raised at stage time (a row outside the table, a negative start, a write past the row's width, a value
+    the table's dtype cannot hold, a wrong number of KV-cache groups) or at apply time (a table on another
+    device than the writer's, a table that shrank below its staged writes). The message names the table,
+    row, start, length and shape involved. When it is raised nothing was staged or written, and every
+    write staged before stays staged.
+    """
+
+
+class BackendUnavailableError(RuntimeError):
+    """No backend can run the requested apply, or a forced backend cannot.
+
+    The message lists each backend considered with the reasons it cannot run.
+    """

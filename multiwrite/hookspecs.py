@@ -1,0 +1,37 @@
+"""Hook specifications of the `multiwrite` plugin system (pluggy project name `"multiwrite"`).
+
+A plugin is a module or object with `@hookimpl` functions, registered in the `multiwrite` entry-point
+group of its package metadata::
+
+    [project.entry-points.multiwrite]
+    my-device = "my_package.multiwrite_plugin"
+
+The built-in backends register exactly this way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from multiwrite.backend import Backend
+
+hookspec = pluggy.HookspecMarker("multiwrite")
+hookimpl = pluggy.HookimplMarker("multiwrite")
+
+
+# -------------------------------------------------------------------------------------------------
+# backends
+# -------------------------------------------------------------------------------------------------
+@hookspec
+def multiwrite_backends() -> list[Backend]:
+    """Return the backends this plugin provides, as `Backend` instances.
+
+    Return the same instances on every call (module-level singletons): backends keep caches such as
+    device descriptors and pinned ring buffers. Import heavy or optional dependencies (Triton, a vendor
+    SDK) lazily inside the backend, so that a missing dependency becomes one of its
+    `not_supported_reasons` instead of an import error. An exception raised here is caught and reported
+    as the plugin's reason; it never reaches the host program.
+    """

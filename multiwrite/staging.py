@@ -1,0 +1,406 @@
+"""Host-side staging: `StagedWriteTensor` and the preallocated arrays that buffer its writes.
+
+A staged write is `(row, start, values)`: it will set `tensor[row, start:start + len(values) * k]`, where
+each value `v` becomes the `k` values `v * k + j` (`k` is `kernel_blocks_per_block`, 1 for a plain
+table). Writes wait in a `StagingArena` (plain numpy arrays that grow geometrically) until a
+`FusedStagedWriter` applies them; one arena may serve several tables of one dtype, so that all the
+KV-cache groups of a `BlockTables` are packed in staging order, ready to hand to a kernel in one piece.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from multiwrite.errors import StagedWriteError
+
+# Columns of the per-write metadata rows (int32), the layout every backend receives.
+META_TABLE = 0  #: index of the target table within the batch
+META_ROW = 1  #: row of the table
+META_START = 2  #: first column written
+META_LENGTH = 3  #: number of staged values (cells written = length * kernel_blocks_per_block)
+META_VALUE_OFFSET = 4  #: offset of the write's first value in the batch's value array
+META_COLUMNS = 5
+
+#: torch dtype -> numpy dtype of the staged values.
+SUPPORTED_DTYPES: dict[torch.dtype, type[np.generic]] = {
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float32: np.float32,
+}
+
+_INT_LIMITS = {np.int32: (-(2**31), 2**31 - 1), np.int64: (-(2**63), 2**63 - 1)}
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.int32` -> `"int32"`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_dtype(dtype: torch.dtype, what: str) -> None:
+    """Raise `StagedWriteError` unless `dtype` is one multiwrite can stage (int32, int64, float32)."""
+    if dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
+        raise StagedWriteError(f"{what}: dtype={dtype} (supported: {allowed})")
+
+
+class StagingArena:
+    """Staged writes of one or more tables of one dtype, in staging order, in growable numpy arrays.
+
+    `meta[:num_writes]` holds one int32 row per write with the `META_*` columns; `values[:num_values]`
+    holds the staged values, each write's values contiguous. `may_overlap` turns true once two staged
+    writes hit the same row of the same table (they may then touch the same cells, and backends must
+    keep staging order there).
+    """
+
+    __slots__ = ("np_dtype", "meta", "values", "num_writes", "num_values", "targets", "rows_seen", "may_overlap")
+
+    def __init__(self, np_dtype: type[np.generic], write_capacity: int = 64, value_capacity: int = 1024):
+        self.np_dtype = np_dtype
+        self.meta = np.zeros((write_capacity, META_COLUMNS), dtype=np.int32)
+        self.values = np.zeros(value_capacity, dtype=np_dtype)
+        self.num_writes = 0
+        self.num_values = 0
+        self.targets: list[StagedWriteTensor] = []
+        self.rows_seen: list[set[int]] = []
+        self.may_overlap = False
+
+    def add_target(self, target: StagedWriteTensor) -> int:
+        """Register a table that stages here; returns its table index in this arena's metadata."""
+        self.targets.append(target)
+        self.rows_seen.append(set())
+        return len(self.targets) - 1
+
+    def push(self, table: int, row: int, start: int, values: Any, length: int) -> None:
+        """Append one already-validated write. `values` is anything numpy can assign from.
+
+        If assigning `values` raises, nothing is staged (the counters move only afterwards).
+        """
+        w = self.num_writes
+        if w == self.meta.shape[0]:
+            self.meta = np.concatenate([self.meta, np.zeros_like(self.meta)])
+        v0 = self.num_values
+        v1 = v0 + length
+        if v1 > self.values.shape[0]:
+            grown = np.zeros(max(v1, 2 * self.values.shape[0]), dtype=self.np_dtype)
+            grown[:v0] = self.values[:v0]
+            self.values = grown
+        if length:
+            self.values[v0:v1] = values
+        self.meta[w] = (table, row, start, length, v0)
+        seen = self.rows_seen[table]
+        if row in seen:
+            self.may_overlap = True
+        else:
+            seen.add(row)
+        self.num_writes = w + 1
+        self.num_values = v1
+
+    def clear(self) -> None:
+        """Drop every staged write of every table."""
+        self.num_writes = 0
+        self.num_values = 0
+        self.may_overlap = False
+        for seen in self.rows_seen:
+            seen.clear()
+        for t in self.targets:
+            t._num_staged = 0
+
+    def drop_tables(self, tables: Sequence[int]) -> None:
+        """Drop the staged writes of some tables, keeping the others' in staging order."""
+        if len(tables) == len(self.targets):
+            self.clear()
+            return
+        meta = self.meta[: self.num_writes]
+        keep = ~np.isin(meta[:, META_TABLE], np.asarray(tables, dtype=np.int32))
+        kept = meta[keep]
+        lengths = kept[:, META_LENGTH].astype(np.int64)
+        new_offsets = np.cumsum(lengths) - lengths
+        gather = np.repeat(kept[:, META_VALUE_OFFSET].astype(np.int64) - new_offsets, lengths) + np.arange(
+            int(lengths.sum())
+        )
+        self.values[: gather.size] = self.values[gather]
+        kept[:, META_VALUE_OFFSET] = new_offsets
+        self.meta[: kept.shape[0]] = kept
+        self.num_writes = kept.shape[0]
+        self.num_values = int(gather.size)
+        for t in tables:
+            self.rows_seen[t].clear()
+            self.targets[t]._num_staged = 0
+        rows_per_table = [int(x) for x in kept[:, META_TABLE]]
+        self.may_overlap = len(set(zip(rows_per_table, kept[:, META_ROW].tolist()))) < kept.shape[0]
+
+
+def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> tuple[Any, int]:
+    """Validate staged values against the table dtype; return (something numpy assigns from, length).
+
+    `describe(length)` builds the "which table, row, start, length, shape" part of an error message.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise StagedWriteError(
+                f"{describe(values.numel())}: values are on {values.device}; stage host values "
+                "(a list, a numpy array or a CPU tensor)"
+            )
+        values = values.detach().numpy()
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise StagedWriteError(f"{describe(values.size)}: values must be 1-D, got shape {values.shape}")
+        n = values.shape[0]
+        kind = values.dtype.kind
+        if np_dtype is np.float32:
+            if kind not in "biuf":
+                raise StagedWriteError(f"{describe(n)}: values of dtype {values.dtype} into a float32 table")
+            if kind == "f" and values.dtype.itemsize > 4 and n:
+                _check_float32_range(values, describe)
+            return values, n
+        if kind not in "biu":
+            raise StagedWriteError(
+                f"{describe(n)}: values of dtype {values.dtype} cannot go into an integer table "
+                f"({np.dtype(np_dtype).name})"
+            )
+        if n and not np.can_cast(values.dtype, np_dtype):
+            lo, hi = _INT_LIMITS[np_dtype]
+            vmin, vmax = int(values.min()), int(values.max())
+            if vmin < lo or vmax > hi:
+                bad = vmin if vmin < lo else vmax
+                raise StagedWriteError(
+                    f"{describe(n)}: value {bad} does not fit {np.dtype(np_dtype).name} [{lo}, {hi}]"
+                )
+        return values, n
+    if not isinstance(values, (list, tuple)):
+        if not isinstance(values, Iterable):
+            raise StagedWriteError(f"{describe(1)}: values must be a sequence, got {type(values).__name__}")
+        values = list(values)
+    n = len(values)
+    if not n:
+        return values, 0
+    if np_dtype is np.float32:
+        try:
+            arr = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise StagedWriteError(f"{describe(n)}: values are not numbers ({exc})") from None
+        _check_float32_range(arr, describe)
+        return arr, n
+    try:
+        total = sum(values)
+        lo_v = min(values)
+        hi_v = max(values)
+    except TypeError as exc:
+        raise StagedWriteError(f"{describe(n)}: values are not integers ({exc})") from None
+    if not isinstance(total, (int, np.integer)):
+        raise StagedWriteError(
+            f"{describe(n)}: a {type(total).__name__} value cannot go into an integer table "
+            f"({np.dtype(np_dtype).name})"
+        )
+    lo, hi = _INT_LIMITS[np_dtype]
+    if lo_v < lo or hi_v > hi:
+        bad = lo_v if lo_v < lo else hi_v
+        raise StagedWriteError(f"{describe(n)}: value {bad} does not fit {np.dtype(np_dtype).name} [{lo}, {hi}]")
+    return values, n
+
+
+def _check_float32_range(arr: np.ndarray, describe: Any) -> None:
+    finite = arr[np.isfinite(arr)]
+    if finite.size and float(np.abs(finite).max()) > _FLOAT32_MAX:
+        raise StagedWriteError(f"{describe(arr.size)}: value {float(np.abs(finite).max())} overflows float32")
+
+
+class StagedWriteTensor:
+    """A 2-D device tensor whose row writes are staged on the host and applied in one batch.
+
+    Args:
+        size: `(rows, columns)` of the table, e.g. `(max_num_reqs, max_num_blocks)`; an int `n` makes a
+            1-D tensor of `n` elements, staged as `n` rows of one column.
+        dtype: `torch.int32` (block tables), `torch.int64` or `torch.float32`.
+        device: where `.tensor` lives; writes are applied there by a `FusedStagedWriter`.
+        name: how errors name this table (default `"table"`).
+        kernel_blocks_per_block: `k`; each staged value `v` is written as the `k` values `v * k + j`,
+            `j = 0..k-1` (a KV-cache group whose block size is `k` times the attention kernel's).
+
+    `.tensor` starts zero-filled. Staging never touches it; only `apply_write()` or a
+    `FusedStagedWriter.apply` does.
+
+    Raises:
+        StagedWriteError: unsupported dtype, a size that is not 1-D or 2-D, `kernel_blocks_per_block < 1`.
+    """
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        dtype: torch.dtype = torch.int32,
+        device: torch.device | str = "cpu",
+        *,
+        name: str = "table",
+        kernel_blocks_per_block: int = 1,
+    ):
+        check_dtype(dtype, f"{name}")
+        shape = (size,) if isinstance(size, int) else tuple(int(s) for s in size)
+        if len(shape) not in (1, 2) or min(shape) < 0:
+            raise StagedWriteError(f"{name}: size must be (rows, columns) or n, got {size!r}")
+        tensor = torch.zeros(shape, dtype=dtype, device=device)
+        self._init(tensor, name, kernel_blocks_per_block, StagingArena(SUPPORTED_DTYPES[dtype]))
+
+    @classmethod
+    def _attach(
+        cls, tensor: torch.Tensor, name: str, kernel_blocks_per_block: int, arena: StagingArena
+    ) -> StagedWriteTensor:
+        """Wrap an existing 2-D tensor (or view) that stages into a shared arena."""
+        self = cls.__new__(cls)
+        self._init(tensor, name, kernel_blocks_per_block, arena)
+        return self
+
+    def _init(self, tensor: torch.Tensor, name: str, k: int, arena: StagingArena) -> None:
+        if int(k) < 1:
+            raise StagedWriteError(f"{name}: kernel_blocks_per_block must be >= 1, got {k}")
+        self.name = name
+        self.kernel_blocks_per_block = int(k)
+        self._user_tensor = tensor
+        self._table = tensor if tensor.dim() == 2 else tensor.view(-1, 1)
+        self._rows, self._cols = self._table.shape
+        self._np_dtype = SUPPORTED_DTYPES[tensor.dtype]
+        self._arena = arena
+        self._index = arena.add_target(self)
+        self._num_staged = 0
+
+    # -- the table ---------------------------------------------------------------------------------
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The device tensor the writes land in, `[rows, columns]` (or `[n]` when built from an int)."""
+        return self._user_tensor
+
+    @tensor.setter
+    def tensor(self, new: torch.Tensor) -> None:
+        # Replacing the table (for example after growing max_num_reqs) is allowed; writes already staged
+        # must still fit, and the backends notice the new storage and never write through a stale pointer.
+        old = self._table
+        if new.dtype != old.dtype or new.dim() != self._user_tensor.dim():
+            raise StagedWriteError(
+                f"{self.name}: replacement tensor must be {self._user_tensor.dim()}-D {dtype_name(old.dtype)}, "
+                f"got {new.dim()}-D {dtype_name(new.dtype)}"
+            )
+        table = new if new.dim() == 2 else new.view(-1, 1)
+        self.check_staged_fit(tuple(table.shape))
+        self._user_tensor, self._table = new, table
+        self._rows, self._cols = table.shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of `.tensor`."""
+        return tuple(self._user_tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of `.tensor`."""
+        return self._table.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of `.tensor`."""
+        return self._table.device
+
+    @property
+    def num_staged_writes(self) -> int:
+        """Writes staged for this table and not yet applied (empty writes count too)."""
+        return self._num_staged
+
+    def _describe(self, row: Any, start: Any, length: int) -> str:
+        return (
+            f"{self.name} (shape {tuple(self._table.shape)}, {dtype_name(self._table.dtype)}): "
+            f"write at row {row}, start {start}, length {length}"
+        )
+
+    # -- staging -----------------------------------------------------------------------------------
+    def stage_write(self, index: int, start: int, values: Any) -> None:
+        """Stage `tensor[index, start:start + len(values) * k] = values` (expanded when `k > 1`).
+
+        Args:
+            index: row, `0 <= index < rows`.
+            start: first column, `>= 0`.
+            values: a list, tuple, 1-D numpy array or 1-D CPU tensor; integers for integer tables.
+                Empty values stage a no-op write.
+
+        Raises:
+            StagedWriteError: row outside the table, negative start, a write past the row's width, or a
+                value the dtype cannot hold. Nothing is staged then.
+        """
+        try:
+            index = operator.index(index)
+            start = operator.index(start)
+        except TypeError:
+            raise StagedWriteError(f"{self._describe(index, start, -1)}: row and start must be integers") from None
+        values, n = _checked_values(values, self._np_dtype, lambda n: self._describe(index, start, n))
+        if not 0 <= index < self._rows:
+            raise StagedWriteError(f"{self._describe(index, start, n)}: row {index} is outside [0, {self._rows})")
+        if start < 0:
+            raise StagedWriteError(f"{self._describe(index, start, n)}: start is negative")
+        k = self.kernel_blocks_per_block
+        if start + n * k > self._cols:
+            raise StagedWriteError(
+                f"{self._describe(index, start, n)}: ends at column {start + n * k} past the row width {self._cols}"
+                + (f" ({n} values x {k} kernel blocks each)" if k > 1 else "")
+            )
+        if k > 1 and n:
+            _check_expanded_range(values, k, self._np_dtype, lambda: self._describe(index, start, n))
+        try:
+            self._arena.push(self._index, index, start, values, n)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise StagedWriteError(f"{self._describe(index, start, n)}: {exc}") from None
+        self._num_staged += 1
+
+    def stage_write_elem(self, index: int, value: int | float) -> None:
+        """Stage one value at column 0 of row `index` (element `index` of a 1-D tensor).
+
+        Raises:
+            StagedWriteError: as `stage_write`.
+        """
+        self.stage_write(index, 0, (value,))
+
+    def apply_write(self) -> None:
+        """Apply this table's staged writes now, through the auto-selected backend of its device.
+
+        Raises:
+            BackendUnavailableError: no backend can run on this device.
+        """
+        from multiwrite.writer import FusedStagedWriter
+
+        FusedStagedWriter.default_for(self.device).apply([self])
+
+    def clear_staged_writes(self) -> None:
+        """Drop this table's staged writes without applying them."""
+        if self._num_staged:
+            self._arena.drop_tables([self._index])
+
+    def check_staged_fit(self, shape: tuple[int, int]) -> None:
+        """Raise `StagedWriteError` if a staged write of this table would not fit a `shape` table."""
+        arena = self._arena
+        meta = arena.meta[: arena.num_writes]
+        mine = meta[meta[:, META_TABLE] == self._index]
+        if not mine.shape[0]:
+            return
+        ends = mine[:, META_START].astype(np.int64) + mine[:, META_LENGTH].astype(np.int64) * self.kernel_blocks_per_block
+        bad = np.nonzero((mine[:, META_ROW] >= shape[0]) | (ends > shape[1]))[0]
+        if bad.size:
+            row, start, length = (int(x) for x in mine[bad[0], [META_ROW, META_START, META_LENGTH]])
+            raise StagedWriteError(
+                f"{self._describe(row, start, length)}: staged for the old table, does not fit shape {shape}"
+            )
+
+
+def _check_expanded_range(values: Any, k: int, np_dtype: type[np.generic], describe: Any) -> None:
+    """Expanded ids `v * k + j` must fit the dtype too."""
+    if np_dtype is np.float32:
+        return
+    lo, hi = _INT_LIMITS[np_dtype]
+    vmin, vmax = (int(values.min()), int(values.max())) if isinstance(values, np.ndarray) else (min(values), max(values))
+    if vmin * k < lo or vmax * k + k - 1 > hi:
+        bad = vmin if vmin * k < lo else vmax
+        raise StagedWriteError(
+            f"{describe()}: value {bad} expanded to {k} kernel blocks ({bad * k}..{bad * k + k - 1}) "
+            f"does not fit {np.dtype(np_dtype).name}"
+        )
