@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from multiwrite.backend import Backend
 from multiwrite.errors import StagedWriteError
-from multiwrite.staging import StagedWriteTensor, StagingArena, _check_expanded_range, _checked_values
+from multiwrite.staging import META_COLUMNS, StagedWriteTensor, StagingArena, _checked_values
 from multiwrite.writer import FusedStagedWriter
+
+_META_BYTES = META_COLUMNS * 4  # one int32 metadata row
 
 
 class BlockTables:
@@ -53,7 +55,10 @@ class BlockTables:
         kernel_block_sizes = list(block_sizes if kernel_block_sizes is None else kernel_block_sizes)
         if num_groups == 0:
             raise StagedWriteError("BlockTables: at least one KV-cache group is needed")
-        for what, seq in (("max_num_blocks_per_group", max_num_blocks_per_group), ("kernel_block_sizes", kernel_block_sizes)):
+        for what, seq in (
+            ("max_num_blocks_per_group", max_num_blocks_per_group),
+            ("kernel_block_sizes", kernel_block_sizes),
+        ):
             if len(seq) != num_groups:
                 raise StagedWriteError(f"BlockTables: {what} has {len(seq)} entries for {num_groups} KV-cache groups")
         if max_num_reqs < 1:
@@ -69,21 +74,31 @@ class BlockTables:
                 )
             self.kernel_blocks_per_block.append(bs // kbs)
         self.max_num_blocks_per_group = [int(m) for m in max_num_blocks_per_group]
+        widths = [m * k for m, k in zip(self.max_num_blocks_per_group, self.kernel_blocks_per_block)]
+        R = self.max_num_reqs
+        # One allocation holds every table and num_blocks, so a CPU backend scatters into all of them at once.
+        storage = torch.zeros(R * sum(widths) + num_groups * R, dtype=torch.int32, device=device)
+        offsets = np.cumsum([0, *(R * w for w in widths)]).tolist()
         self._arena = StagingArena(np.int32)
         self.block_tables = [
-            StagedWriteTensor._attach(
-                torch.zeros(self.max_num_reqs, m * k, dtype=torch.int32, device=device), f"group {g}", k, self._arena
-            )
-            for g, (m, k) in enumerate(zip(self.max_num_blocks_per_group, self.kernel_blocks_per_block))
+            StagedWriteTensor._attach(storage[offsets[g] : offsets[g + 1]].view(R, w), f"group {g}", k, self._arena)
+            for g, (w, k) in enumerate(zip(widths, self.kernel_blocks_per_block))
         ]
-        self.num_blocks = np.zeros((num_groups, self.max_num_reqs), dtype=np.int32)
-        self.num_blocks_device = torch.zeros(num_groups, self.max_num_reqs, dtype=torch.int32, device=device)
-        # Staged as one more table of the same apply: row = request, columns = groups (a transposed view).
-        self._num_blocks_staged = StagedWriteTensor._attach(self.num_blocks_device.t(), "num_blocks", 1, self._arena)
+        self.num_blocks = np.zeros((num_groups, R), dtype=np.int32)
+        self._applied_num_blocks = self.num_blocks.copy()
+        self.num_blocks_device = storage[offsets[-1] :].view(num_groups, R)
+        # num_blocks travels as one more write of the same apply: the whole array, as one row.
+        self._num_blocks_staged = StagedWriteTensor._attach(
+            self.num_blocks_device.view(1, num_groups * R), "num_blocks", 1, self._arena
+        )
+        self._num_blocks_flat = self.num_blocks.reshape(-1)
+        self._num_blocks_view = memoryview(self.num_blocks)
+        self._num_blocks_dirty = False
         self._all = [*self.block_tables, self._num_blocks_staged]
         self._writer = FusedStagedWriter(self.block_tables[0].device, backend)
-        self._widths = [t._cols for t in self.block_tables]
-        self._groups = list(zip(range(num_groups), self.kernel_blocks_per_block, self._widths))
+        self._widths = widths
+        # Per group: k, row width, largest manager id whose kernel ids b*k + k - 1 fit int32.
+        self._groups = [(k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(self.kernel_blocks_per_block, widths)]
 
     @property
     def num_groups(self) -> int:
@@ -101,11 +116,10 @@ class BlockTables:
         return self._writer.device
 
     def __getitem__(self, group: int) -> StagedWriteTensor:
+        """Group `group`'s `StagedWriteTensor`."""
         return self.block_tables[group]
 
-    def append_block_ids(
-        self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool
-    ) -> None:
+    def append_block_ids(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
         """Stage request `req_index`'s new manager block ids, one list per KV-cache group.
 
         With `overwrite`, each group's row is rewritten from column 0 (a new request); otherwise the
@@ -122,62 +136,115 @@ class BlockTables:
                 its width, ids that are not integers or whose kernel ids overflow int32. Nothing is
                 staged for any group then.
         """
-        if len(new_block_ids) != len(self._groups):
+        groups = self._groups
+        if len(new_block_ids) != len(groups):
             raise StagedWriteError(
                 f"append_block_ids: request row {req_index}: got block ids for {len(new_block_ids)} KV-cache "
-                f"groups, the tables have {len(self._groups)} (block sizes {self.block_sizes})"
+                f"groups, the tables have {len(groups)} (block sizes {self.block_sizes})"
             )
-        try:
-            req = operator.index(req_index)
-        except TypeError:
-            raise StagedWriteError(f"append_block_ids: request row {req_index!r} is not an integer") from None
+        req = req_index
+        if type(req) is not int:
+            try:
+                req = operator.index(req)
+            except TypeError:
+                raise StagedWriteError(f"append_block_ids: request row {req_index!r} is not an integer") from None
         if not 0 <= req < self.max_num_reqs:
             raise StagedWriteError(
                 f"append_block_ids: request row {req} is outside [0, {self.max_num_reqs}) "
                 f"(tables of shape ({self.max_num_reqs}, ...))"
             )
-        num_blocks = self.num_blocks
-        staged = []
-        for (g, k, width), ids in zip(self._groups, new_block_ids):
-            start = 0 if overwrite else int(num_blocks[g, req])
-            table = self.block_tables[g]
-            if not len(ids):
-                if overwrite:
-                    staged.append((g, start, ids, 0))
-                continue
-            ids, n = _checked_values(ids, np.int32, lambda n, t=table, s=start: t._describe(req, s, n))
-            if start + n * k > width:
-                raise StagedWriteError(
-                    f"{table._describe(req, start, n)}: {n} block ids x {k} kernel blocks end at column "
-                    f"{start + n * k}, past the row width {width}"
-                )
-            if isinstance(ids, np.ndarray):
-                if n and ids.min() < 0:
-                    raise StagedWriteError(f"{table._describe(req, start, n)}: negative block id {int(ids.min())}")
-            elif min(ids) < 0:
-                raise StagedWriteError(f"{table._describe(req, start, n)}: negative block id {min(ids)}")
-            if k > 1:
-                _check_expanded_range(ids, k, np.int32, lambda t=table, s=start, n=n: t._describe(req, s, n))
-            staged.append((g, start, ids, n))
-        push = self._arena.push
-        for g, start, ids, n in staged:
-            push(g, req, start, ids, n)
-            self.block_tables[g]._num_staged += 1
-            num_blocks[g, req] = start + n * self._groups[g][1]
-        if staged:
-            push(len(self._groups), req, 0, num_blocks[:, req], len(self._groups))
-            self._num_blocks_staged._num_staged += 1
+        arena = self._arena
+        num_blocks = self._num_blocks_view
+        w = w0 = arena.num_writes
+        v = v0 = arena.num_values
+        may_overlap0 = arena.may_overlap
+        if w + len(groups) > arena.meta.shape[0]:
+            arena.reserve(len(groups), 0)
+        pack, meta = arena.pack_meta, arena.meta_bytes
+        seen = arena.rows_seen
+        counts = []
+        row_key = req << 16
+        g = start = -1
+        try:
+            for g, ids in enumerate(new_block_ids):
+                n = len(ids)
+                k, width, max_id = groups[g]
+                if n:
+                    start = 0 if overwrite else num_blocks[g, req]
+                    if start + n * k > width:
+                        raise StagedWriteError(
+                            f"{self.block_tables[g]._describe(req, start, n)}: {n} block ids x {k} kernel blocks "
+                            f"end at column {start + n * k}, past the row width {width}"
+                        )
+                    if v + n > arena.values.shape[0]:
+                        arena.reserve(len(groups), v - v0 + n)
+                    if n <= 8 and type(ids) in (list, tuple):
+                        flat = arena.values_flat
+                        for i, b in enumerate(ids, v):
+                            flat[i] = b  # checks the type and the int32 range
+                        low, high = min(ids), max(ids)
+                    else:
+                        ids, n = _checked_values(ids, np.int32, self._describer(g, req, start))
+                        arena.values[v : v + n] = ids
+                        low, high = (
+                            (int(ids.min()), int(ids.max())) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
+                        )
+                    if low < 0 or high > max_id:
+                        bad = low if low < 0 else high
+                        raise StagedWriteError(
+                            f"{self.block_tables[g]._describe(req, start, n)}: block id {bad} is "
+                            + ("negative" if bad < 0 else f"too large: its {k} kernel block ids overflow int32")
+                        )
+                elif overwrite:
+                    start = 0
+                else:
+                    continue
+                pack(meta, w * _META_BYTES, g, req, start, n, v)
+                w += 1
+                v += n
+                key = row_key | g
+                if key in seen:
+                    arena.may_overlap = True
+                else:
+                    seen.add(key)
+                counts.append(start + n * k)
+                counts.append(g)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # Nothing of this call stays staged: the counters never moved; forget its row keys.
+            arena.may_overlap = may_overlap0
+            arena.rebuild_rows_seen()
+            if isinstance(exc, StagedWriteError):
+                raise
+            describe = self._describer(g, req, start)
+            _checked_values(new_block_ids[g], np.int32, describe)  # raises, naming the offending value
+            raise StagedWriteError(f"{describe(len(new_block_ids[g]))}: {exc}") from None
+        if w != w0:
+            arena.num_writes = w
+            arena.num_values = v
+            self._num_blocks_dirty = True
+            for i in range(0, len(counts), 2):
+                num_blocks[counts[i + 1], req] = counts[i]
+
+    def _describer(self, g: int, req: int, start: int) -> Callable[[int], str]:
+        table = self.block_tables[g]
+        return lambda n: table._describe(req, start, n)
 
     def apply_staged_writes(self) -> None:
         """Apply every group's staged writes and the new `num_blocks` in one `FusedStagedWriter` call.
 
         On a GPU this enqueues one kernel launch on the current stream and returns without waiting.
         """
+        if self._num_blocks_dirty:
+            self._arena.push(len(self._groups), 0, 0, self._num_blocks_flat, self._num_blocks_flat.shape[0])
+            self._num_blocks_dirty = False
         self._writer.apply(self._all)
+        np.copyto(self._applied_num_blocks, self.num_blocks)
 
     def clear_staged_writes(self) -> None:
-        """Drop every staged write (the host `num_blocks` keeps the counts already staged)."""
+        """Drop every staged write and restore `num_blocks` to its value at the last apply."""
         self._arena.clear()
+        np.copyto(self.num_blocks, self._applied_num_blocks)
+        self._num_blocks_dirty = False
 
     def __repr__(self) -> str:
         return (

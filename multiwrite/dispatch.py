@@ -114,9 +114,7 @@ def available_backends(
 
 
 def _listing(statuses: list[BackendStatus]) -> str:
-    return "\n".join(
-        f"  - {s.name}: " + ("available" if s.available else "; ".join(s.reasons)) for s in statuses
-    )
+    return "\n".join(f"  - {s.name}: " + ("available" if s.available else "; ".join(s.reasons)) for s in statuses)
 
 
 def select_backend(

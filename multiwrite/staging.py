@@ -10,6 +10,7 @@ KV-cache groups of a `BlockTables` are packed in staging order, ready to hand to
 from __future__ import annotations
 
 import operator
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -55,61 +56,104 @@ class StagingArena:
     `meta[:num_writes]` holds one int32 row per write with the `META_*` columns; `values[:num_values]`
     holds the staged values, each write's values contiguous. `may_overlap` turns true once two staged
     writes hit the same row of the same table (they may then touch the same cells, and backends must
-    keep staging order there).
+    keep staging order there). `meta_flat` and `values_flat` are memoryviews of the same memory: a
+    store through them costs a third of a numpy scalar store and checks the value's type and range.
     """
 
-    __slots__ = ("np_dtype", "meta", "values", "num_writes", "num_values", "targets", "rows_seen", "may_overlap")
+    __slots__ = (
+        "np_dtype",
+        "meta",
+        "values",
+        "meta_bytes",
+        "values_flat",
+        "num_writes",
+        "num_values",
+        "targets",
+        "rows_seen",
+        "may_overlap",
+    )
+
+    #: `pack_meta(meta_bytes, write_index * 20, table, row, start, length, value_offset)` stores one
+    #: metadata row in one C call, raising `struct.error` when a field overflows int32.
+    pack_meta = staticmethod(struct.Struct(f"{META_COLUMNS}i").pack_into)
 
     def __init__(self, np_dtype: type[np.generic], write_capacity: int = 64, value_capacity: int = 1024):
         self.np_dtype = np_dtype
         self.meta = np.zeros((write_capacity, META_COLUMNS), dtype=np.int32)
         self.values = np.zeros(value_capacity, dtype=np_dtype)
+        self.meta_bytes = memoryview(self.meta).cast("B")
+        self.values_flat = memoryview(self.values)
         self.num_writes = 0
         self.num_values = 0
         self.targets: list[StagedWriteTensor] = []
-        self.rows_seen: list[set[int]] = []
+        self.rows_seen: set[int] = set()  # row << 16 | table, for the writes staged now
         self.may_overlap = False
 
     def add_target(self, target: StagedWriteTensor) -> int:
         """Register a table that stages here; returns its table index in this arena's metadata."""
+        if len(self.targets) >= 1 << 16:
+            raise StagedWriteError("a staging arena holds at most 65536 tables")
         self.targets.append(target)
-        self.rows_seen.append(set())
         return len(self.targets) - 1
 
-    def push(self, table: int, row: int, start: int, values: Any, length: int) -> None:
-        """Append one already-validated write. `values` is anything numpy can assign from.
+    def reserve(self, writes: int, values: int) -> None:
+        """Make room for `writes` more writes and `values` more values (geometric growth)."""
+        if self.num_writes + writes > self.meta.shape[0]:
+            grown = np.zeros((max(self.num_writes + writes, 2 * self.meta.shape[0]), META_COLUMNS), np.int32)
+            grown[: self.meta.shape[0]] = self.meta
+            self.meta = grown
+            self.meta_bytes = memoryview(grown).cast("B")
+        if self.num_values + values > self.values.shape[0]:
+            grown_v = np.zeros(max(self.num_values + values, 2 * self.values.shape[0]), dtype=self.np_dtype)
+            grown_v[: self.values.shape[0]] = self.values  # uncommitted tail values too
+            self.values = grown_v
+            self.values_flat = memoryview(grown_v)
 
-        If assigning `values` raises, nothing is staged (the counters move only afterwards).
+    def push(self, table: int, row: int, start: int, values: Any, length: int) -> None:
+        """Append one write whose row, start and length were validated. `values` is a list, tuple or
+        numpy array; a value the dtype cannot hold raises (TypeError, ValueError or OverflowError) and
+        then nothing is staged: the counters move only after every store succeeded.
         """
-        w = self.num_writes
-        if w == self.meta.shape[0]:
-            self.meta = np.concatenate([self.meta, np.zeros_like(self.meta)])
+        self.reserve(1, length)
         v0 = self.num_values
-        v1 = v0 + length
-        if v1 > self.values.shape[0]:
-            grown = np.zeros(max(v1, 2 * self.values.shape[0]), dtype=self.np_dtype)
-            grown[:v0] = self.values[:v0]
-            self.values = grown
         if length:
-            self.values[v0:v1] = values
-        self.meta[w] = (table, row, start, length, v0)
-        seen = self.rows_seen[table]
-        if row in seen:
+            if length <= 8 and not isinstance(values, np.ndarray):
+                flat = self.values_flat
+                for i, v in enumerate(values, v0):
+                    flat[i] = v
+            else:
+                self.values[v0 : v0 + length] = values
+        self.commit(table, row, start, length, v0)
+
+    def commit(self, table: int, row: int, start: int, length: int, value_offset: int) -> None:
+        """Record the metadata of a write whose values already sit at `values[value_offset:]`."""
+        self.reserve(1, 0)
+        self.pack_meta(self.meta_bytes, self.num_writes * META_COLUMNS * 4, table, row, start, length, value_offset)
+        key = row << 16 | table
+        if key in self.rows_seen:
             self.may_overlap = True
         else:
-            seen.add(row)
-        self.num_writes = w + 1
-        self.num_values = v1
+            self.rows_seen.add(key)
+        self.num_writes += 1
+        self.num_values = value_offset + length
+
+    def rebuild_rows_seen(self) -> None:
+        """Recompute `rows_seen` from the committed writes (after a rejected write)."""
+        meta = self.meta[: self.num_writes]
+        self.rows_seen = set(((meta[:, META_ROW].astype(np.int64) << 16) | meta[:, META_TABLE]).tolist())
+
+    def count_for(self, table: int) -> int:
+        """Number of staged writes of one table."""
+        if len(self.targets) == 1:
+            return self.num_writes
+        return int(np.count_nonzero(self.meta[: self.num_writes, META_TABLE] == table))
 
     def clear(self) -> None:
         """Drop every staged write of every table."""
         self.num_writes = 0
         self.num_values = 0
         self.may_overlap = False
-        for seen in self.rows_seen:
-            seen.clear()
-        for t in self.targets:
-            t._num_staged = 0
+        self.rows_seen.clear()
 
     def drop_tables(self, tables: Sequence[int]) -> None:
         """Drop the staged writes of some tables, keeping the others' in staging order."""
@@ -129,11 +173,9 @@ class StagingArena:
         self.meta[: kept.shape[0]] = kept
         self.num_writes = kept.shape[0]
         self.num_values = int(gather.size)
-        for t in tables:
-            self.rows_seen[t].clear()
-            self.targets[t]._num_staged = 0
-        rows_per_table = [int(x) for x in kept[:, META_TABLE]]
-        self.may_overlap = len(set(zip(rows_per_table, kept[:, META_ROW].tolist()))) < kept.shape[0]
+        keys = (kept[:, META_ROW].astype(np.int64) << 16) | kept[:, META_TABLE]
+        self.rows_seen = set(keys.tolist())
+        self.may_overlap = len(self.rows_seen) < kept.shape[0]
 
 
 def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> tuple[Any, int]:
@@ -195,8 +237,7 @@ def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> t
         raise StagedWriteError(f"{describe(n)}: values are not integers ({exc})") from None
     if not isinstance(total, (int, np.integer)):
         raise StagedWriteError(
-            f"{describe(n)}: a {type(total).__name__} value cannot go into an integer table "
-            f"({np.dtype(np_dtype).name})"
+            f"{describe(n)}: a {type(total).__name__} value cannot go into an integer table ({np.dtype(np_dtype).name})"
         )
     lo, hi = _INT_LIMITS[np_dtype]
     if lo_v < lo or hi_v > hi:
@@ -266,7 +307,6 @@ class StagedWriteTensor:
         self._np_dtype = SUPPORTED_DTYPES[tensor.dtype]
         self._arena = arena
         self._index = arena.add_target(self)
-        self._num_staged = 0
 
     # -- the table ---------------------------------------------------------------------------------
     @property
@@ -307,7 +347,7 @@ class StagedWriteTensor:
     @property
     def num_staged_writes(self) -> int:
         """Writes staged for this table and not yet applied (empty writes count too)."""
-        return self._num_staged
+        return self._arena.count_for(self._index)
 
     def _describe(self, row: Any, start: Any, length: int) -> str:
         return (
@@ -329,12 +369,16 @@ class StagedWriteTensor:
             StagedWriteError: row outside the table, negative start, a write past the row's width, or a
                 value the dtype cannot hold. Nothing is staged then.
         """
-        try:
-            index = operator.index(index)
-            start = operator.index(start)
-        except TypeError:
-            raise StagedWriteError(f"{self._describe(index, start, -1)}: row and start must be integers") from None
-        values, n = _checked_values(values, self._np_dtype, lambda n: self._describe(index, start, n))
+        if type(index) is not int or type(start) is not int:
+            try:
+                index, start = operator.index(index), operator.index(start)
+            except TypeError:
+                raise StagedWriteError(f"{self._describe(index, start, -1)}: row and start must be integers") from None
+        fast = type(values) in (list, tuple) and self._np_dtype is not np.float32
+        if fast:
+            n = len(values)
+        else:
+            values, n = _checked_values(values, self._np_dtype, lambda n: self._describe(index, start, n))
         if not 0 <= index < self._rows:
             raise StagedWriteError(f"{self._describe(index, start, n)}: row {index} is outside [0, {self._rows})")
         if start < 0:
@@ -345,13 +389,16 @@ class StagedWriteTensor:
                 f"{self._describe(index, start, n)}: ends at column {start + n * k} past the row width {self._cols}"
                 + (f" ({n} values x {k} kernel blocks each)" if k > 1 else "")
             )
-        if k > 1 and n:
-            _check_expanded_range(values, k, self._np_dtype, lambda: self._describe(index, start, n))
         try:
+            if k > 1 and n:
+                _check_expanded_range(values, k, self._np_dtype, lambda: self._describe(index, start, n))
             self._arena.push(self._index, index, start, values, n)
         except (OverflowError, TypeError, ValueError) as exc:
+            if isinstance(exc, StagedWriteError):
+                raise
+            # Stores through the memoryview check each value; say which one was wrong, then give up.
+            _checked_values(values, self._np_dtype, lambda n: self._describe(index, start, n))
             raise StagedWriteError(f"{self._describe(index, start, n)}: {exc}") from None
-        self._num_staged += 1
 
     def stage_write_elem(self, index: int, value: int | float) -> None:
         """Stage one value at column 0 of row `index` (element `index` of a 1-D tensor).
@@ -373,7 +420,7 @@ class StagedWriteTensor:
 
     def clear_staged_writes(self) -> None:
         """Drop this table's staged writes without applying them."""
-        if self._num_staged:
+        if self.num_staged_writes:
             self._arena.drop_tables([self._index])
 
     def check_staged_fit(self, shape: tuple[int, int]) -> None:
@@ -383,7 +430,9 @@ class StagedWriteTensor:
         mine = meta[meta[:, META_TABLE] == self._index]
         if not mine.shape[0]:
             return
-        ends = mine[:, META_START].astype(np.int64) + mine[:, META_LENGTH].astype(np.int64) * self.kernel_blocks_per_block
+        ends = (
+            mine[:, META_START].astype(np.int64) + mine[:, META_LENGTH].astype(np.int64) * self.kernel_blocks_per_block
+        )
         bad = np.nonzero((mine[:, META_ROW] >= shape[0]) | (ends > shape[1]))[0]
         if bad.size:
             row, start, length = (int(x) for x in mine[bad[0], [META_ROW, META_START, META_LENGTH]])
@@ -397,7 +446,9 @@ def _check_expanded_range(values: Any, k: int, np_dtype: type[np.generic], descr
     if np_dtype is np.float32:
         return
     lo, hi = _INT_LIMITS[np_dtype]
-    vmin, vmax = (int(values.min()), int(values.max())) if isinstance(values, np.ndarray) else (min(values), max(values))
+    vmin, vmax = (
+        (int(values.min()), int(values.max())) if isinstance(values, np.ndarray) else (min(values), max(values))
+    )
     if vmin * k < lo or vmax * k + k - 1 > hi:
         bad = vmin if vmin * k < lo else vmax
         raise StagedWriteError(

@@ -35,7 +35,9 @@ class FusedStagedWriter:
             if reasons:
                 from multiwrite.errors import BackendUnavailableError
 
-                raise BackendUnavailableError(f"backend {backend.NAME!r} cannot run on {self.device}: {'; '.join(reasons)}")
+                raise BackendUnavailableError(
+                    f"backend {backend.NAME!r} cannot run on {self.device}: {'; '.join(reasons)}"
+                )
             self.backend = backend
         else:
             self.backend = select_backend(self.device, backend)
@@ -67,7 +69,7 @@ class FusedStagedWriter:
                 raise StagedWriteError(
                     f"{t.name} (shape {tuple(table.shape)}, {dtype_name(table.dtype)}) is on {table.device}, "
                     f"but this writer applies to {self.device}; nothing was written and its "
-                    f"{t._num_staged} staged writes stay staged"
+                    f"{t.num_staged_writes} staged writes stay staged"
                 )
             if table.shape != (t._rows, t._cols):  # resized in place since staging
                 t.check_staged_fit(tuple(table.shape))

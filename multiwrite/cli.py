@@ -1,0 +1,193 @@
+"""The `multiwrite` command: `replay` (the main job), `info`, `bench`.
+
+Exit codes: 0 success, 1 a mismatch against the reference, 2 bad arguments or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from multiwrite.dispatch import available_backends
+from multiwrite.environment import environment, resolve_device
+from multiwrite.errors import BackendUnavailableError, StagedWriteError
+from multiwrite.workload import TraceError, load_trace
+
+
+def int_list(text: str) -> list[int]:
+    """`"16,32,8"` -> `[16, 32, 8]` (argparse type); positive integers only."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """argparse type for an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, desc: str, enabled: bool) -> Iterator:
+    """A tqdm bar on stderr (the `cli` extra), or a silent stand-in when disabled or tqdm is missing."""
+    bar = None
+    if enabled:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+        except ImportError:
+            bar = None
+    try:
+        yield (bar.update if bar is not None else (lambda n=1: None))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _add_replay(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="replay a serving trace through BlockTables and check every table against the reference",
+        description="Replay the trace-replay workload (ANCHORS.md) through BlockTables on the selected "
+        "backend and device, checking the tables against a plain sequential reference.",
+    )
+    p.add_argument("--trace", help="CSV with ContextTokens,GeneratedTokens columns (default: embedded Azure trace)")
+    p.add_argument("--block-sizes", type=int_list, default=[16, 32, 8], help="tokens per block, per group (16,32,8)")
+    p.add_argument("--kernel-block-sizes", type=int_list, default=None, help="kernel block size per group (16,16,8)")
+    p.add_argument("--concurrency", type=positive_int, default=40, help="request slots = table rows (40)")
+    p.add_argument("--steps", type=positive_int, default=1000, help="scheduler steps (1000)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
+    p.add_argument("--backend", default=None, help="force a backend by name (default: best available)")
+    p.add_argument("--check-every", type=int, default=50, help="compare with the reference every N steps (50)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_replay)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Run `multiwrite replay`; returns the exit code."""
+    from multiwrite.replay import run_replay
+
+    kbs = args.kernel_block_sizes
+    if args.block_sizes == [16, 32, 8] and kbs is None:
+        kbs = [16, 16, 8]
+    if kbs is not None and len(kbs) != len(args.block_sizes):
+        print(f"error: --kernel-block-sizes has {len(kbs)} entries for {len(args.block_sizes)} groups", file=sys.stderr)
+        return 2
+    trace = load_trace(args.trace)
+    device = resolve_device(args.device)
+    with progress_bar(args.steps, "replay", not args.no_progress) as tick:
+        result = run_replay(
+            trace, args.block_sizes, kbs, args.concurrency, args.steps, device, args.backend, args.check_every, tick
+        )
+    env = environment(device)
+    apply_us = np.asarray(result.apply_us or [float("nan")])
+    step_us = np.asarray(result.step_us or [float("nan")])
+    lines = [
+        ("trace", f"{trace.source} ({len(trace)} requests)"),
+        ("backend", result.backend),
+        ("device", f"{env['device']} ({env['device_name']})"),
+        (
+            "versions",
+            f"multiwrite {env['multiwrite']}, torch {env['torch']}, triton {env['triton']}, "
+            f"numpy {env['numpy']}, python {env['python']}",
+        ),
+        ("groups", f"block sizes {args.block_sizes}, kernel block sizes {kbs or args.block_sizes}"),
+        ("concurrency", str(args.concurrency)),
+        ("steps", str(result.steps)),
+        ("writes", str(result.writes)),
+        ("block ids written", f"{result.block_ids} (kernel block ids)"),
+        ("checks", str(result.checks)),
+        ("mismatches", str(result.mismatches)),
+        ("apply host time", f"median {np.median(apply_us):.1f} us, p99 {np.percentile(apply_us, 99):.1f} us"),
+        ("staging + apply", f"median {np.median(step_us):.1f} us, p99 {np.percentile(step_us, 99):.1f} us"),
+    ]
+    width = max(len(k) for k, _ in lines)
+    print("multiwrite replay")
+    for key, value in lines:
+        print(f"  {key:<{width}}  {value}")
+    print(
+        "result: OK, zero mismatches" if result.mismatches == 0 else f"result: FAILED, {result.mismatches} mismatches"
+    )
+    return 0 if result.mismatches == 0 else 1
+
+
+def _add_info(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="versions, devices and every registered backend with its status")
+    p.set_defaults(func=cmd_info)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Run `multiwrite info`; returns 0."""
+    cpu = torch.device("cpu")
+    env = environment(cpu)
+    print("multiwrite info")
+    print(
+        f"  versions  multiwrite {env['multiwrite']}, torch {env['torch']}, triton {env['triton']}, "
+        f"numpy {env['numpy']}, python {env['python']}"
+    )
+    hip = getattr(torch.version, "hip", None)
+    devices = [cpu]
+    print(f"  cpu       {env['device_name']} ({env['torch_threads']} torch threads)")
+    if torch.cuda.is_available():
+        kind = f"ROCm/HIP {hip}" if hip else f"CUDA {torch.version.cuda}"
+        for i in range(torch.cuda.device_count()):
+            devices.append(torch.device("cuda", i))
+            print(f"  cuda:{i}    {torch.cuda.get_device_name(i)} ({kind})")
+    else:
+        print(f"  cuda      none (torch built with {'HIP ' + hip if hip else 'CUDA ' + str(torch.version.cuda)})")
+    for device in devices[:2]:
+        print(f"backends for {device}:")
+        statuses = available_backends(device)
+        chosen = next((s.name for s in statuses if s.available), None)
+        for s in statuses:
+            state = "available" if s.available else "unavailable: " + "; ".join(s.reasons)
+            mark = "  <- selected" if s.name == chosen else ""
+            print(f"  {s.name:<12} priority {s.priority:>4}  {state}{mark}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `multiwrite` command."""
+    parser = argparse.ArgumentParser(
+        prog="multiwrite", description="Fused block-table writes for paged-KV-cache LLM serving."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_replay(sub)
+    _add_info(sub)
+    try:
+        from multiwrite import bench
+    except ImportError:
+        pass
+    else:
+        bench.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `multiwrite` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (TraceError, StagedWriteError, BackendUnavailableError) as exc:
+        print(f"multiwrite {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""What a run happened on: versions and device names, for summaries and CSV rows."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+
+@lru_cache(maxsize=1)
+def triton_version() -> str | None:
+    """Installed Triton version, or None when Triton cannot be imported."""
+    try:
+        import triton
+    except Exception:
+        return None
+    return str(triton.__version__)
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo, else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    """Human name of a device: the GPU's name for CUDA/ROCm devices, the CPU model otherwise."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """Versions and device name, as strings: multiwrite, torch, triton, numpy, python, device, device_name."""
+    from multiwrite import __version__
+
+    return {
+        "multiwrite": __version__,
+        "torch": torch.__version__,
+        "triton": triton_version() or "not installed",
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch_threads": str(torch.get_num_threads()),
+    }
+
+
+def resolve_device(device: str) -> torch.device:
+    """`"auto"` -> the current CUDA (or ROCm) device when there is one, else CPU; other names as given."""
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all work queued on `device` (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

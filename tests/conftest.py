@@ -1,0 +1,84 @@
+"""The shared backend matrix: every test that takes `backend` runs once per registered backend.
+
+Without a GPU, Triton backends run their kernels through Triton's interpreter on CPU tensors
+(`TRITON_INTERPRET=1`, set here before anything imports Triton). A backend that cannot run is skipped
+with its reasons (`pytest -rs` prints them), unless `MULTIWRITE_BACKEND` forces it: then it fails.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from multiwrite import available_backends  # noqa: E402
+from multiwrite.dispatch import BACKEND_ENV  # noqa: E402
+
+FORCED = os.environ.get(BACKEND_ENV) or None
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    """A backend under test and the device its tables live on."""
+
+    name: str
+    device: torch.device
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.device.type}"
+
+
+def _candidate_devices() -> list[torch.device]:
+    devices = []
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    devices.append(torch.device("cpu"))
+    return devices
+
+
+def _backend_cases() -> list[object]:
+    statuses = {s.name: s for s in available_backends("cpu")}
+    names = sorted(statuses) if FORCED is None else [FORCED]
+    params = []
+    for name in names:
+        reasons: list[str] = []
+        case = None
+        for device in _candidate_devices():
+            for s in available_backends(device):
+                if s.name == name:
+                    if s.available:
+                        case = BackendCase(name, device)
+                    else:
+                        reasons.extend(f"{device}: {r}" for r in s.reasons)
+            if case:
+                break
+        if case is not None:
+            params.append(pytest.param(case, id=str(case)))
+        elif FORCED is not None:
+            why = "; ".join(reasons) or "not registered"
+            params.append(pytest.param(None, id=name, marks=pytest.mark.forced_unavailable(why)))
+        else:
+            why = "; ".join(reasons) or "not registered"
+            params.append(pytest.param(None, id=name, marks=pytest.mark.skip(reason=f"{name} unavailable: {why}")))
+    return params
+
+
+BACKEND_CASES = _backend_cases()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "forced_unavailable(why): the forced backend cannot run")
+
+
+@pytest.fixture(params=BACKEND_CASES)
+def backend(request: pytest.FixtureRequest) -> BackendCase:
+    """Each registered backend with a device it can run on."""
+    marker = request.node.get_closest_marker("forced_unavailable")
+    if marker is not None:
+        pytest.fail(f"{BACKEND_ENV}={FORCED} was forced but cannot run: {marker.args[0]}")
+    return request.param
