@@ -108,7 +108,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         ),
         ("groups", f"block sizes {args.block_sizes}, kernel block sizes {kbs or args.block_sizes}"),
         ("concurrency", str(args.concurrency)),
-        ("steps", str(result.steps)),
+        (
+            "steps",
+            f"{result.steps}"
+            + (f" of {args.steps} (the trace ran out of requests)" if result.steps < args.steps else ""),
+        ),
         ("writes", str(result.writes)),
         ("block ids written", f"{result.block_ids} (kernel block ids)"),
         ("checks", str(result.checks)),
@@ -149,7 +153,10 @@ def cmd_info(args: argparse.Namespace) -> int:
             devices.append(torch.device("cuda", i))
             print(f"  cuda:{i}    {torch.cuda.get_device_name(i)} ({kind})")
     else:
-        print(f"  cuda      none (torch built with {'HIP ' + hip if hip else 'CUDA ' + str(torch.version.cuda)})")
+        build = f"HIP {hip}" if hip else f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
+        print(f"  cuda      no device (torch build: {build})")
+    if len(devices) == 1:
+        devices.append(torch.device("cuda"))  # say why the GPU backends cannot run here
     for device in devices[:2]:
         print(f"backends for {device}:")
         statuses = available_backends(device)
@@ -157,7 +164,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         for s in statuses:
             state = "available" if s.available else "unavailable: " + "; ".join(s.reasons)
             mark = "  <- selected" if s.name == chosen else ""
-            print(f"  {s.name:<12} priority {s.priority:>4}  {state}{mark}")
+            priority = f"{s.priority:>4}" if s.backend is not None else "   -"
+            print(f"  {s.name:<12} priority {priority}  {state}{mark}")
     return 0
 
 

@@ -1,0 +1,307 @@
+"""The measurements of `multiwrite bench`: trace replay through every variant, and the prefill burst.
+
+Timing follows ANCHORS.md: per step, host time (`time.perf_counter_ns`) of staging plus apply and of
+apply alone; the device is synchronized after each step, outside the timed region; warm-up steps are
+skipped; statistics are over the remaining steps with at least one write. The variants (and floors) take
+turns within each step, in an order that rotates from step to step, so that drift and noise of the
+machine reach all of them alike; the garbage collector is off while timing (as in `timeit`), so that
+one variant's garbage is never collected on another's clock. On a GPU, a second pass with fresh tables
+times each apply on the device with CUDA events; it is separate so that recording events never adds to
+the host times of the first pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from multiwrite.bench_variants import VARIANTS, Mismatch, compare, floors
+from multiwrite.block_tables import BlockTables
+from multiwrite.environment import synchronize
+from multiwrite.reference import ReferenceBlockTables
+from multiwrite.workload import CONFIGS, StagedCall, Trace, max_blocks_per_group, replay_steps
+
+Tick = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Median and 99th percentile of `n` samples, microseconds (nan when `n == 0`)."""
+
+    median_us: float
+    p99_us: float
+    n: int
+
+    @classmethod
+    def of(cls, samples_us: Sequence[float]) -> Stats:
+        """Statistics of samples given in microseconds."""
+        if not len(samples_us):
+            return cls(math.nan, math.nan, 0)
+        a = np.asarray(samples_us, dtype=np.float64)
+        return cls(float(np.median(a)), float(np.percentile(a, 99)), int(a.size))
+
+
+@dataclass
+class VariantResult:
+    """One variant (or floor) on one configuration.
+
+    Attributes:
+        step: host time per step, staging plus apply, microseconds (None for a floor: it stages nothing).
+        apply: host time per apply, microseconds.
+        device: device time per apply from CUDA events, microseconds (None off GPUs).
+        verified: its final tables equal the reference (None for a floor, which writes nothing).
+        mismatch: how they differ, when they do.
+    """
+
+    variant: str
+    step: Stats | None
+    apply: Stats
+    device: Stats | None = None
+    verified: bool | None = None
+    mismatch: Mismatch | None = None
+
+
+@dataclass
+class ConfigResult:
+    """Every variant on one configuration (`G1`..`G4`) at one concurrency.
+
+    Attributes:
+        steps: scheduler steps replayed (fewer than asked when the trace ran out).
+        writes_per_step: median `append_block_ids` calls per measured step.
+        floor: name of the floor the fused/floor ratios use (`floor` on CPU, `floor-triton` on a GPU).
+    """
+
+    config: str
+    concurrency: int
+    steps: int
+    writes_per_step: float
+    variants: dict[str, VariantResult] = field(default_factory=dict)
+    floor: str = "floor"
+
+    def ratio(self, metric: str, other: str) -> float:
+        """Median `metric` (`"step"` or `"apply"`) of fused over that of `other`; a floor's step is its apply."""
+        fused, o = self.variants["fused"], self.variants[other]
+        num = getattr(fused, metric)
+        den = getattr(o, metric) or o.apply
+        return num.median_us / den.median_us if den.median_us > 0 else math.nan
+
+
+@dataclass
+class BurstResult:
+    """The prefill burst: `requests` new requests x 3 groups (G3) x `ids_per_group` manager ids, one step.
+
+    Attributes:
+        bytes_written: kernel block ids written per apply x 4 bytes.
+        stage: host time of staging the burst, microseconds.
+        apply: host time of apply plus device synchronize, microseconds.
+        copy: the same bytes through a plain copy (`copy_name`), synchronized, microseconds.
+    """
+
+    requests: int
+    ids_per_group: int
+    bytes_written: int
+    stage: Stats
+    apply: Stats
+    copy: Stats
+    copy_name: str
+    verified: bool
+    mismatch: Mismatch | None = None
+
+    @property
+    def apply_bytes_per_s(self) -> float:
+        """Effective bandwidth of the fused apply, bytes/s (median time)."""
+        return self.bytes_written / (self.apply.median_us * 1e-6)
+
+    @property
+    def copy_bytes_per_s(self) -> float:
+        """Bandwidth of the plain copy, bytes/s (median time)."""
+        return self.bytes_written / (self.copy.median_us * 1e-6)
+
+
+def _rotations(runners: list) -> list[list]:
+    return [runners[k:] + runners[:k] for k in range(len(runners))]
+
+
+def time_host(
+    runners: list, schedule: list[list[StagedCall]], warmup: int, device: torch.device, tick: Tick
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Replay `schedule` through every runner; per runner, host times of measured steps in microseconds:
+    (staging plus apply, apply alone)."""
+    samples: dict[str, tuple[list[float], list[float]]] = {r.name: ([], []) for r in runners}
+    orders = _rotations(runners)
+    clock = time.perf_counter_ns
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i, calls in enumerate(schedule):
+            measured = i >= warmup and bool(calls)
+            for r in orders[i % len(orders)]:
+                t0 = clock()
+                r.stage(calls)
+                t1 = clock()
+                r.apply()
+                t2 = clock()
+                synchronize(device)
+                if measured:
+                    step_us, apply_us = samples[r.name]
+                    step_us.append((t2 - t0) / 1e3)
+                    apply_us.append((t2 - t1) / 1e3)
+            tick(1)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return samples
+
+
+def time_device(
+    runners: list, schedule: list[list[StagedCall]], warmup: int, device: torch.device, tick: Tick
+) -> dict[str, list[float]]:
+    """GPU only: replay `schedule` again; per runner, device time of each measured apply, microseconds,
+    between CUDA events recorded just before and after it."""
+    events = {r.name: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for r in runners}
+    samples: dict[str, list[float]] = {r.name: [] for r in runners}
+    orders = _rotations(runners)
+    for i, calls in enumerate(schedule):
+        measured = i >= warmup and bool(calls)
+        for r in orders[i % len(orders)]:
+            start, end = events[r.name]
+            r.stage(calls)
+            start.record()
+            r.apply()
+            end.record()
+            end.synchronize()
+            if measured:
+                samples[r.name].append(start.elapsed_time(end) * 1e3)
+        tick(1)
+    return samples
+
+
+def measure_config(
+    trace: Trace,
+    config: str,
+    concurrency: int,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    backend: str | None,
+    tick: Tick,
+) -> ConfigResult:
+    """Replay `steps` scheduler steps of configuration `config` through every variant and floor, timed, then
+    check each variant's final tables against `ReferenceBlockTables` fed the same calls."""
+    block_sizes, kernel_block_sizes = CONFIGS[config]
+    widths = max_blocks_per_group(block_sizes)
+    schedule = list(replay_steps(trace, block_sizes, concurrency, steps))
+    reference = ReferenceBlockTables(block_sizes, concurrency, widths, kernel_block_sizes)
+    for calls in schedule:
+        for req, ids, overwrite in calls:
+            reference.append_block_ids(req, ids, overwrite)
+    gpu = device.type == "cuda"
+    passes = 2 if gpu else 1
+
+    def make_variants() -> list:
+        return [cls(block_sizes, kernel_block_sizes, concurrency, widths, device, backend) for cls in VARIANTS]
+
+    variants = make_variants()
+    floor_runners = floors(device, variants[0].tables.backend)
+    host = time_host(variants + floor_runners, schedule, warmup, device, tick)
+    mismatches = {v.name: compare(v.snapshot(), reference) for v in variants}
+    dev: dict[str, list[float]] = {}
+    if gpu:
+        variants2 = make_variants()
+        dev = time_device(variants2 + floor_runners, schedule, warmup, device, tick)
+        for v in variants2:
+            mismatches[v.name] = mismatches[v.name] or compare(v.snapshot(), reference)
+    tick((steps - len(schedule)) * passes)  # the trace ran out: finish this configuration's share of the bar
+    measured = [len(c) for i, c in enumerate(schedule) if i >= warmup and c]
+    result = ConfigResult(
+        config, concurrency, len(schedule), float(np.median(measured)) if measured else math.nan,
+        floor=floor_runners[0].name,
+    )
+    for r in variants + floor_runners:
+        step_us, apply_us = host[r.name]
+        is_floor = r.name.startswith("floor")
+        result.variants[r.name] = VariantResult(
+            r.name,
+            None if is_floor else Stats.of(step_us),
+            Stats.of(apply_us),
+            Stats.of(dev[r.name]) if gpu else None,
+            None if is_floor else mismatches[r.name] is None,
+            None if is_floor else mismatches[r.name],
+        )
+    return result
+
+
+def burst_calls(requests: int, ids_per_group: int, num_groups: int) -> list[StagedCall]:
+    """Overwrites of `requests` rows, each with `ids_per_group` distinct manager ids (>= 1) per group."""
+    n = ids_per_group
+    return [
+        (r, [list(range(1 + (g * requests + r) * n, 1 + (g * requests + r + 1) * n)) for g in range(num_groups)], True)
+        for r in range(requests)
+    ]
+
+
+def _burst_expected(requests: int, n: int, ks: list[int]) -> SimpleNamespace:
+    """What the burst's tables must hold, built with numpy (the per-cell reference is slow at this size)."""
+    tables = []
+    for g, k in enumerate(ks):
+        ids = 1 + (g * requests + np.arange(requests)[:, None]) * n + np.arange(n)[None, :]
+        tables.append((ids[:, :, None] * k + np.arange(k)).reshape(requests, n * k))
+    num_blocks = np.asarray([[n * k] * requests for k in ks])
+    return SimpleNamespace(tables=tables, num_blocks=num_blocks)
+
+
+def measure_burst(
+    requests: int, ids_per_group: int, reps: int, device: torch.device, backend: str | None, tick: Tick
+) -> BurstResult:
+    """Stage the burst (G3 block sizes) and apply it `reps` times (after 2 untimed), each timed up to a
+    device synchronize; in between, a plain copy of the same bytes (pinned host-to-device with
+    `non_blocking=True` on a GPU, `numpy.copyto` on a CPU), timed the same way."""
+    block_sizes, kernel_block_sizes = CONFIGS["G3"]
+    tables = BlockTables(block_sizes, requests, [ids_per_group] * 3, device, kernel_block_sizes, backend=backend)
+    ks = tables.kernel_blocks_per_block
+    calls = burst_calls(requests, ids_per_group, len(block_sizes))
+    cells = requests * ids_per_group * sum(ks)
+    if device.type == "cuda":
+        src = torch.arange(cells, dtype=torch.int32).pin_memory()
+        dst = torch.empty(cells, dtype=torch.int32, device=device)
+        copy, copy_name = (lambda: dst.copy_(src, non_blocking=True)), "pinned-h2d-copy"
+    else:
+        src_np, dst_np = np.arange(cells, dtype=np.int32), np.empty(cells, dtype=np.int32)
+        copy, copy_name = (lambda: np.copyto(dst_np, src_np)), "numpy-copy"
+    clock = time.perf_counter_ns
+    stage_us, apply_us, copy_us = [], [], []
+    for rep in range(-2, reps):
+        synchronize(device)
+        t0 = clock()
+        for req, ids, overwrite in calls:
+            tables.append_block_ids(req, ids, overwrite)
+        t1 = clock()
+        tables.apply_staged_writes()
+        synchronize(device)
+        t2 = clock()
+        copy()
+        synchronize(device)
+        t3 = clock()
+        if rep >= 0:
+            stage_us.append((t1 - t0) / 1e3)
+            apply_us.append((t2 - t1) / 1e3)
+            copy_us.append((t3 - t2) / 1e3)
+            tick(1)
+    snap = SimpleNamespace(
+        tables=[t.tensor.cpu().numpy() for t in tables.block_tables],
+        num_blocks=tables.num_blocks.copy(),
+        num_blocks_device=tables.num_blocks_device.cpu().numpy(),
+    )
+    mismatch = compare(snap, _burst_expected(requests, ids_per_group, ks))
+    return BurstResult(
+        requests, ids_per_group, cells * 4, Stats.of(stage_us), Stats.of(apply_us), Stats.of(copy_us), copy_name,
+        mismatch is None, mismatch,
+    )

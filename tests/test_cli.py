@@ -1,0 +1,117 @@
+"""The `multiwrite` command: replay on small traces, bad traces, info."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from multiwrite.cli import main
+
+SMALL = "tests/data/small_trace.csv"
+
+
+def test_replay_small_trace_reports_zero_mismatches(capsys):
+    code = main(
+        [
+            "replay",
+            "--trace",
+            SMALL,
+            "--concurrency",
+            "3",
+            "--steps",
+            "40",
+            "--check-every",
+            "7",
+            "--no-progress",
+            "--device",
+            "cpu",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "result: OK, zero mismatches" in out
+    assert "backend            torch-cpu" in out
+    assert "trace              tests/data/small_trace.csv (6 requests)" in out
+    assert "steps              21 of 40 (the trace ran out of requests)" in out
+    assert "checks             3" in out  # steps 7, 14, 21
+    assert "apply host time    median" in out
+
+
+def test_replay_detects_a_broken_backend(capsys, monkeypatch):
+    from multiwrite.backends import torch_cpu
+
+    real = torch_cpu.TorchCpuBackend.apply
+
+    def drop_last_batch_value(self, batches):
+        for b in batches:
+            if b.values.shape[0]:
+                b.values[-1] += 1
+        real(self, batches)
+
+    monkeypatch.setattr(torch_cpu.TorchCpuBackend, "apply", drop_last_batch_value)
+    code = main(["replay", "--trace", SMALL, "--concurrency", "2", "--steps", "30", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "result: FAILED" in out
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("", "line 1: empty file"),
+        ("TIMESTAMP,ContextTokens\nx,3\n", "line 1: missing column 'GeneratedTokens'"),
+        ("ContextTokens,GeneratedTokens\n3,4\n5,x\n", "line 3: GeneratedTokens='x' is not an integer"),
+        ("ContextTokens,GeneratedTokens\n3,4\n-5,1\n", "line 3: ContextTokens=-5 is negative"),
+        ("ContextTokens,GeneratedTokens\n3,\n", "line 2: GeneratedTokens='' is not an integer"),
+        ("ContextTokens,GeneratedTokens\n", "no requests after the header"),
+    ],
+)
+def test_bad_trace_files_name_file_and_line(tmp_path, capsys, content, fragment):
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    code = main(["replay", "--trace", str(path), "--steps", "5", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert str(path) in err and fragment in err
+
+
+def test_missing_trace_file(capsys):
+    assert main(["replay", "--trace", "/nonexistent/trace.csv", "--no-progress"]) == 2
+    assert "cannot read trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["replay", "--concurrency", "0"], ["replay", "--block-sizes", "16,x"], ["replay", "--steps", "-1"], ["nope"]],
+)
+def test_bad_arguments_exit_2(argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+
+
+def test_mismatched_kernel_block_sizes_exit_2(capsys):
+    assert main(["replay", "--block-sizes", "16,32", "--kernel-block-sizes", "16", "--no-progress"]) == 2
+    assert main(["replay", "--block-sizes", "16,24", "--kernel-block-sizes", "16,16", "--no-progress"]) == 2
+    assert "not a positive multiple" in capsys.readouterr().err
+
+
+def test_forced_unknown_backend_exit_2(capsys):
+    assert main(["replay", "--backend", "nope", "--steps", "3", "--no-progress"]) == 2
+    assert "registered backends" in capsys.readouterr().err
+
+
+def test_info_lists_every_backend(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch-cpu" in out and "<- selected" in out
+    assert "triton-cuda" in out and "triton-rocm" in out
+    assert "versions  multiwrite 0.1.0" in out
+
+
+def test_console_script_runs_as_a_module():
+    proc = subprocess.run([sys.executable, "-m", "multiwrite.cli", "info"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "backends for cpu:" in proc.stdout
