@@ -71,6 +71,7 @@ class StagingArena:
         "targets",
         "rows_seen",
         "may_overlap",
+        "layout_version",
     )
 
     #: `pack_meta(meta_bytes, write_index * 20, table, row, start, length, value_offset)` stores one
@@ -88,12 +89,14 @@ class StagingArena:
         self.targets: list[StagedWriteTensor] = []
         self.rows_seen: set[int] = set()  # row << 16 | table, for the writes staged now
         self.may_overlap = False
+        self.layout_version = 0  # bumped whenever a table is added or replaced
 
     def add_target(self, target: StagedWriteTensor) -> int:
         """Register a table that stages here; returns its table index in this arena's metadata."""
         if len(self.targets) >= 1 << 16:
             raise StagedWriteError("a staging arena holds at most 65536 tables")
         self.targets.append(target)
+        self.layout_version += 1
         return len(self.targets) - 1
 
     def reserve(self, writes: int, values: int) -> None:
@@ -328,6 +331,7 @@ class StagedWriteTensor:
         self.check_staged_fit(tuple(table.shape))
         self._user_tensor, self._table = new, table
         self._rows, self._cols = table.shape
+        self._arena.layout_version += 1  # writers re-check device and shape, backends see the new storage
 
     @property
     def shape(self) -> tuple[int, ...]:
