@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from multiwrite.bench_variants import VARIANTS, Mismatch, compare, floors
+from multiwrite.bench_variants import VARIANTS, Mismatch, Snapshot, compare, floors
 from multiwrite.block_tables import BlockTables
 from multiwrite.environment import synchronize
 from multiwrite.reference import ReferenceBlockTables
@@ -222,7 +222,10 @@ def measure_config(
     tick((steps - len(schedule)) * passes)  # the trace ran out: finish this configuration's share of the bar
     measured = [len(c) for i, c in enumerate(schedule) if i >= warmup and c]
     result = ConfigResult(
-        config, concurrency, len(schedule), float(np.median(measured)) if measured else math.nan,
+        config,
+        concurrency,
+        len(schedule),
+        float(np.median(measured)) if measured else math.nan,
         floor=floor_runners[0].name,
     )
     for r in variants + floor_runners:
@@ -269,6 +272,7 @@ def measure_burst(
     ks = tables.kernel_blocks_per_block
     calls = burst_calls(requests, ids_per_group, len(block_sizes))
     cells = requests * ids_per_group * sum(ks)
+    copy: Callable[[], object]
     if device.type == "cuda":
         src = torch.arange(cells, dtype=torch.int32).pin_memory()
         dst = torch.empty(cells, dtype=torch.int32, device=device)
@@ -277,7 +281,9 @@ def measure_burst(
         src_np, dst_np = np.arange(cells, dtype=np.int32), np.empty(cells, dtype=np.int32)
         copy, copy_name = (lambda: np.copyto(dst_np, src_np)), "numpy-copy"
     clock = time.perf_counter_ns
-    stage_us, apply_us, copy_us = [], [], []
+    stage_us: list[float] = []
+    apply_us: list[float] = []
+    copy_us: list[float] = []
     for rep in range(-2, reps):
         synchronize(device)
         t0 = clock()
@@ -295,13 +301,61 @@ def measure_burst(
             apply_us.append((t2 - t1) / 1e3)
             copy_us.append((t3 - t2) / 1e3)
             tick(1)
-    snap = SimpleNamespace(
-        tables=[t.tensor.cpu().numpy() for t in tables.block_tables],
-        num_blocks=tables.num_blocks.copy(),
-        num_blocks_device=tables.num_blocks_device.cpu().numpy(),
+    snap = Snapshot(
+        [t.tensor.cpu().numpy() for t in tables.block_tables],
+        tables.num_blocks.copy(),
+        tables.num_blocks_device.cpu().numpy(),
     )
     mismatch = compare(snap, _burst_expected(requests, ids_per_group, ks))
     return BurstResult(
-        requests, ids_per_group, cells * 4, Stats.of(stage_us), Stats.of(apply_us), Stats.of(copy_us), copy_name,
-        mismatch is None, mismatch,
+        requests,
+        ids_per_group,
+        cells * 4,
+        Stats.of(stage_us),
+        Stats.of(apply_us),
+        Stats.of(copy_us),
+        copy_name,
+        mismatch is None,
+        mismatch,
     )
+
+
+@dataclass
+class BenchResult:
+    """Everything one `multiwrite bench` run measured, and what it ran on.
+
+    Attributes:
+        timestamp: ISO 8601, local time with its offset, when the run started.
+        env: `environment.environment(device)`: versions, device and its name, torch threads.
+        backend: name of the backend the fused and per-group variants used.
+        trace: where the trace came from, and its number of requests.
+    """
+
+    timestamp: str
+    env: dict[str, str]
+    backend: str
+    trace: str
+    steps: int
+    warmup: int
+    configs: list[ConfigResult] = field(default_factory=list)
+    burst: BurstResult | None = None
+
+    @property
+    def gpu(self) -> bool:
+        """True when the run was on a CUDA or ROCm device."""
+        return self.env["device"].startswith("cuda")
+
+    def failures(self) -> list[str]:
+        """One line per variant whose final tables differed from the reference (empty: all verified)."""
+        out = []
+        for c in self.configs:
+            for v in c.variants.values():
+                if v.mismatch is not None:
+                    out.append(
+                        f"{v.variant} {c.config} C={c.concurrency}: {v.mismatch.cells} cells differ from the "
+                        f"reference; first: {v.mismatch.first}"
+                    )
+        if self.burst is not None and self.burst.mismatch is not None:
+            m = self.burst.mismatch
+            out.append(f"fused prefill burst: {m.cells} cells differ from the expected tables; first: {m.first}")
+        return out

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from multiwrite.backend import Backend
 from multiwrite.block_tables import BlockTables
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.workload import StagedCall
@@ -48,9 +50,10 @@ class Mismatch:
     first: str
 
 
-def compare(snapshot: Snapshot, reference: ReferenceBlockTables) -> Mismatch | None:
+def compare(snapshot: Snapshot, reference: ReferenceBlockTables | Any) -> Mismatch | None:
     """None when `snapshot` equals `reference` everywhere, else the number of differing cells and the first.
 
+    `reference` is a `ReferenceBlockTables`, or anything with its `tables` and `num_blocks` attributes.
     Tables, host `num_blocks` and device `num_blocks` are each compared cell by cell.
     """
     parts = [(f"group {g} table", t, reference.tables[g]) for g, t in enumerate(snapshot.tables)]
@@ -76,7 +79,15 @@ class FusedVariant:
 
     name = "fused"
 
-    def __init__(self, block_sizes, kernel_block_sizes, max_num_reqs, max_blocks, device, backend=None):
+    def __init__(
+        self,
+        block_sizes: Sequence[int],
+        kernel_block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_blocks: Sequence[int],
+        device: torch.device | str,
+        backend: str | None = None,
+    ) -> None:
         self.tables = BlockTables(block_sizes, max_num_reqs, max_blocks, device, kernel_block_sizes, backend=backend)
         self._append = self.tables.append_block_ids
 
@@ -103,7 +114,15 @@ class PerGroupVariant:
 
     name = "per-group"
 
-    def __init__(self, block_sizes, kernel_block_sizes, max_num_reqs, max_blocks, device, backend=None):
+    def __init__(
+        self,
+        block_sizes: Sequence[int],
+        kernel_block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_blocks: Sequence[int],
+        device: torch.device | str,
+        backend: str | None = None,
+    ) -> None:
         self.groups = [
             BlockTables([bs], max_num_reqs, [m], device, [kbs], backend=backend)
             for bs, kbs, m in zip(block_sizes, kernel_block_sizes, max_blocks)
@@ -139,7 +158,14 @@ class NaiveTables:
         num_blocks_device: its device copy as of the last `apply_staged_writes()`.
     """
 
-    def __init__(self, block_sizes, kernel_block_sizes, max_num_reqs, max_blocks, device):
+    def __init__(
+        self,
+        block_sizes: Sequence[int],
+        kernel_block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_blocks: Sequence[int],
+        device: torch.device | str,
+    ) -> None:
         self.device = torch.device(device)
         self.k = [bs // kbs for bs, kbs in zip(block_sizes, kernel_block_sizes)]
         self.tables = [
@@ -179,7 +205,15 @@ class NaiveVariant:
 
     name = "naive"
 
-    def __init__(self, block_sizes, kernel_block_sizes, max_num_reqs, max_blocks, device, backend=None):
+    def __init__(
+        self,
+        block_sizes: Sequence[int],
+        kernel_block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_blocks: Sequence[int],
+        device: torch.device | str,
+        backend: str | None = None,
+    ) -> None:
         self.tables = NaiveTables(block_sizes, kernel_block_sizes, max_num_reqs, max_blocks, device)
 
     def stage(self, calls: Sequence[StagedCall]) -> None:
@@ -219,7 +253,7 @@ class CpuFloor(Floor):
 
     name = "floor"
 
-    def __init__(self, backend):
+    def __init__(self, backend: Backend):
         self._apply = backend.apply
 
     def apply(self) -> None:
@@ -258,7 +292,7 @@ class TritonLaunchFloor(Floor):
         self._kernel[self._grid](self._x)
 
 
-def floors(device: torch.device, backend) -> list[Floor]:
+def floors(device: torch.device, backend: Backend) -> list[Floor]:
     """The floors measured on `device`: on a GPU the empty Triton launch (when Triton imports) and the
     torch launch; on a CPU one empty call of `backend`."""
     if device.type != "cuda":
