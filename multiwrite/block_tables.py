@@ -92,7 +92,7 @@ class BlockTables:
             self.num_blocks_device.view(1, num_groups * R), "num_blocks", 1, self._arena
         )
         self._num_blocks_flat = self.num_blocks.reshape(-1)
-        self._num_blocks_view = memoryview(self.num_blocks)
+        self._num_blocks_view = self.num_blocks.data
         self._num_blocks_dirty = False
         self._all = [*self.block_tables, self._num_blocks_staged]
         self._writer = FusedStagedWriter(self.block_tables[0].device, backend)

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from typing import Any
 
 import pluggy
 import torch
@@ -70,7 +71,7 @@ def _registered() -> tuple[list[Backend], dict[str, str]]:
     failures = dict(_load_errors)
     for impl in pm.hook.multiwrite_backends.get_hookimpls():
         try:
-            provided = impl.function()
+            provided: Any = impl.function()
         except Exception as exc:
             failures[impl.plugin_name] = f"multiwrite_backends() raised {type(exc).__name__}: {exc}"
             continue

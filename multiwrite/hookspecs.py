@@ -35,3 +35,4 @@ def multiwrite_backends() -> list[Backend]:
     `not_supported_reasons` instead of an import error. An exception raised here is caught and reported
     as the plugin's reason; it never reaches the host program.
     """
+    raise NotImplementedError  # a specification: plugins implement it

@@ -82,8 +82,8 @@ class StagingArena:
         self.np_dtype = np_dtype
         self.meta = np.zeros((write_capacity, META_COLUMNS), dtype=np.int32)
         self.values = np.zeros(value_capacity, dtype=np_dtype)
-        self.meta_bytes = memoryview(self.meta).cast("B")
-        self.values_flat = memoryview(self.values)
+        self.meta_bytes = self.meta.data.cast("B")
+        self.values_flat = self.values.data
         self.num_writes = 0
         self.num_values = 0
         self.targets: list[StagedWriteTensor] = []
@@ -105,12 +105,12 @@ class StagingArena:
             grown = np.zeros((max(self.num_writes + writes, 2 * self.meta.shape[0]), META_COLUMNS), np.int32)
             grown[: self.meta.shape[0]] = self.meta
             self.meta = grown
-            self.meta_bytes = memoryview(grown).cast("B")
+            self.meta_bytes = grown.data.cast("B")
         if self.num_values + values > self.values.shape[0]:
             grown_v = np.zeros(max(self.num_values + values, 2 * self.values.shape[0]), dtype=self.np_dtype)
             grown_v[: self.values.shape[0]] = self.values  # uncommitted tail values too
             self.values = grown_v
-            self.values_flat = memoryview(grown_v)
+            self.values_flat = grown_v.data
 
     def push(self, table: int, row: int, start: int, values: Any, length: int) -> None:
         """Append one write whose row, start and length were validated. `values` is a list, tuple or
@@ -328,7 +328,7 @@ class StagedWriteTensor:
                 f"got {new.dim()}-D {dtype_name(new.dtype)}"
             )
         table = new if new.dim() == 2 else new.view(-1, 1)
-        self.check_staged_fit(tuple(table.shape))
+        self.check_staged_fit((table.shape[0], table.shape[1]))
         self._user_tensor, self._table = new, table
         self._rows, self._cols = table.shape
         self._arena.layout_version += 1  # writers re-check device and shape, backends see the new storage

@@ -88,7 +88,7 @@ def load_trace(path: str | Path | None = None) -> Trace:
     if header is None:
         raise TraceError(f"{source}: line 1: empty file, expected a header with ContextTokens,GeneratedTokens")
     header = [h.strip() for h in header]
-    cols = {}
+    cols: dict[str, int] = {}
     for name in ("ContextTokens", "GeneratedTokens"):
         if name not in header:
             raise TraceError(f"{source}: line 1: missing column {name!r} (header: {','.join(header)})")

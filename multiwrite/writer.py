@@ -84,7 +84,7 @@ class FusedStagedWriter:
                     f"{t.num_staged_writes} staged writes stay staged"
                 )
             if table.shape != (t._rows, t._cols):  # resized in place since staging
-                t.check_staged_fit(tuple(table.shape))
+                t.check_staged_fit((table.shape[0], table.shape[1]))
                 t._rows, t._cols = table.shape
             arena = t._arena
             entry = groups.get(id(arena))
