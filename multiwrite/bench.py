@@ -10,6 +10,7 @@ a CSV file and a plot. Exit codes: 0 all verified, 1 a variant's tables differed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass
 from datetime import datetime
@@ -120,7 +121,8 @@ def run_bench(
     result = BenchResult(
         timestamp, environment(device), backend_name, f"{trace.source} ({len(trace)} requests)", opts.steps, opts.warmup
     )
-    with progress_bar(total, "bench", progress) as tick:
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device, progress_bar(total, "bench", progress) as tick:
         for config in opts.configs:
             for c in opts.concurrency:
                 result.configs.append(measure_config(trace, config, c, opts.steps, opts.warmup, device, backend, tick))

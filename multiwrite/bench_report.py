@@ -7,6 +7,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from multiwrite.bench_run import BenchResult, ConfigResult, Stats
 
 VARIANT_ORDER = ("fused", "per-group", "naive")
@@ -130,7 +132,7 @@ def terminal_report(result: BenchResult) -> str:
                 [b.copy_name + (" + synchronize" if result.gpu else ""), _us(b.copy), f"{b.copy_bytes_per_s:.3g}"],
             ],
         )
-        out.append(f"  fused / {b.copy_name} bandwidth: {_ratio(b.apply_bytes_per_s / b.copy_bytes_per_s)}")
+        out.append(f"  fused / {b.copy_name} bandwidth: {b.apply_bytes_per_s / b.copy_bytes_per_s:.3g}")
     failures = result.failures()
     out.append("")
     if failures:
@@ -258,8 +260,8 @@ def write_csv(result: BenchResult, path: str | Path) -> None:
 
 
 def write_plot(result: BenchResult, path: str | Path) -> None:
-    """Grouped bars of median apply host time per variant and configuration (log scale), the floors drawn
-    as horizontal lines; saved to `path` (PNG).
+    """Grouped bars of median apply host time per variant and configuration (log scale), each floor drawn
+    as a horizontal line at its median over the configurations; saved to `path` (PNG).
 
     Raises:
         ImportError: matplotlib is missing (the `plot` extra), with the install command in the message.
@@ -278,7 +280,7 @@ def write_plot(result: BenchResult, path: str | Path) -> None:
         xs = [j + (i - (len(VARIANT_ORDER) - 1) / 2) * width for j in range(len(configs))]
         ax.bar(xs, [c.variants[name].apply.median_us for c in configs], width, label=name)
     for style, floor in zip(("-", "--"), _floors(result)):
-        level = float(sum(c.variants[floor].apply.median_us for c in configs) / max(1, len(configs)))
+        level = float(np.median([c.variants[floor].apply.median_us for c in configs]))  # over configurations
         ax.axhline(level, color="black", linestyle=style, linewidth=1, label=f"{floor} ({level:.1f} us)")
     ax.set_xticks(range(len(configs)), [f"{c.config}\nC={c.concurrency}" for c in configs])
     ax.set_yscale("log")
