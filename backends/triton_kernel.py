@@ -1,0 +1,517 @@
+"""The Triton kernel shared by `triton-cuda` and `triton-rocm`, its launcher and host-side caches.
+
+Import this module only where `import triton` works (the backends import it lazily, on first use, so a
+missing Triton becomes a `not_supported_reasons` entry). `TRITON_INTERPRET` is read when the kernel is
+decorated, i.e. when this module is first imported: set it before.
+
+Per apply and dtype the host does two numpy copies (metadata and values into one slot of a pinned ring)
+and one kernel launch; no pinned allocation, no host-to-device copy, no event, no synchronization. The
+kernel reads the slot directly through unified virtual addressing (every pointer is passed as an int64
+address), finds each write's table through a cached device descriptor table, and finally marks the slot
+free again by storing a token into a pinned host word that the host polls before reusing the slot.
+Under the interpreter the same code runs on CPU tensors and plain host addresses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from multiwrite.backend import WriteBatch
+from multiwrite.staging import META_COLUMNS, META_ROW, META_TABLE
+
+#: Kernel parameters that vary per apply; none may become a specialization key (no recompiles).
+DO_NOT_SPECIALIZE = (
+    "desc_addr", "meta_addr", "values_addr", "bounds_addr", "counter_addr", "done_addr",
+    "token", "num_tables", "num_writes", "num_values", "num_rounds",
+)  # fmt: skip
+#: int64 columns of one descriptor row: base address, row stride, column stride (elements), rows, columns, k.
+DESC_COLUMNS = 6
+TL_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float32: tl.float32}
+
+
+def _write_kernel_fn(
+    desc_addr: tl.int64,  # device int64 [num_tables, 6] descriptors
+    meta_addr: tl.int64,  # int32 [num_writes, 5] metadata rows (pinned host memory on a GPU)
+    values_addr: tl.int64,  # [num_values] of VALUE_DTYPE (pinned host memory on a GPU)
+    bounds_addr: tl.int64,  # int32 [num_rounds + 1] first write of each round (read only if num_rounds > 1)
+    counter_addr: tl.int64,  # device int32: programs of this launch that finished
+    done_addr: tl.int64,  # int32 host word: receives `token` when every program has finished
+    token: tl.int32,
+    num_tables: tl.int32,
+    num_writes: tl.int32,
+    num_values: tl.int32,
+    num_rounds: tl.int32,
+    VALUE_DTYPE: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    # Axis 0 walks tiles of BLOCK_W writes, axis 1 splits their cells into column chunks of BLOCK_L.
+    pid_w = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_w = tl.num_programs(0)
+    n_s = tl.num_programs(1)
+    desc = desc_addr.to(tl.pointer_type(tl.int64))
+    meta = meta_addr.to(tl.pointer_type(tl.int32))
+    values = values_addr.to(tl.pointer_type(VALUE_DTYPE))
+    bounds = bounds_addr.to(tl.pointer_type(tl.int32))
+    lanes_w = tl.arange(0, BLOCK_W)
+    lanes_l = tl.arange(0, BLOCK_L)
+    multi = num_rounds > 1
+    # Rounds (only with overlapping writes, launched as one program): round r's writes land before r+1's.
+    for r in range(0, num_rounds):
+        w_begin = tl.load(bounds + r, mask=multi, other=0)
+        w_end = tl.load(bounds + r + 1, mask=multi, other=num_writes)
+        for w0 in range(w_begin + pid_w * BLOCK_W, w_end, n_w * BLOCK_W):
+            w = w0 + lanes_w
+            live = w < w_end
+            m = meta + w * 5
+            t = tl.load(m + 0, mask=live, other=-1)
+            row = tl.load(m + 1, mask=live, other=-1)
+            start = tl.load(m + 2, mask=live, other=-1)
+            length = tl.load(m + 3, mask=live, other=0)
+            voff = tl.load(m + 4, mask=live, other=0)
+            live = live & (t >= 0) & (t < num_tables) & (row >= 0) & (start >= 0) & (length > 0)
+            d = desc + t.to(tl.int64) * 6
+            base = tl.load(d + 0, mask=live, other=0)
+            row_stride = tl.load(d + 1, mask=live, other=0)
+            col_stride = tl.load(d + 2, mask=live, other=0)
+            rows = tl.load(d + 3, mask=live, other=0)
+            cols = tl.load(d + 4, mask=live, other=0)
+            k = tl.maximum(tl.load(d + 5, mask=live, other=1), 1).to(tl.int32)
+            live = live & (row.to(tl.int64) < rows)
+            cells = tl.where(live, length * k, 0)
+            dst = base.to(tl.pointer_type(VALUE_DTYPE)) + row.to(tl.int64) * row_stride
+            max_cells = tl.max(cells, axis=0)
+            for c0 in range(pid_s * BLOCK_L, max_cells, n_s * BLOCK_L):
+                pos = c0 + lanes_l
+                col = start[:, None].to(tl.int64) + pos[None, :]
+                q = pos[None, :] // k[:, None]
+                vidx = voff[:, None] + q
+                keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
+                v = tl.load(values + vidx, mask=keep, other=0)
+                j = (pos[None, :] - q * k[:, None]).to(VALUE_DTYPE)
+                expanded = v * k[:, None].to(VALUE_DTYPE) + j
+                out = tl.where(k[:, None] > 1, expanded, v)
+                tl.store(dst[:, None] + col * col_stride[:, None], out, mask=keep)
+        tl.debug_barrier()
+    # Completion: the last program to finish (all the others' slot reads are done) resets the counter
+    # and hands the slot back to the host.
+    tl.debug_barrier()
+    counter = counter_addr.to(tl.pointer_type(tl.int32))
+    finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = finished == n_w * n_s - 1
+    tl.atomic_xchg(counter, 0, mask=last, sem="acq_rel", scope="gpu")
+    tl.store(done_addr.to(tl.pointer_type(tl.int32)), token, mask=last)
+
+
+#: The runtime kernel (an `InterpretedFunction` when TRITON_INTERPRET was set at import).
+_write_kernel = triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)(_write_kernel_fn)
+INTERPRETED = not isinstance(_write_kernel, triton.runtime.JITFunction)
+
+
+def compilable_kernel() -> triton.runtime.JITFunction:
+    """The kernel as a `JITFunction` with the runtime's `do_not_specialize`, even under the interpreter
+    (for `triton.compile` and specialization tests)."""
+    if not INTERPRETED:
+        return _write_kernel
+    return triton.runtime.JITFunction(_write_kernel_fn, do_not_specialize=DO_NOT_SPECIALIZE)
+
+
+class LaunchParams(NamedTuple):
+    """Launch parameters of one target family (all compile-time constants of the kernel).
+
+    `num_warps * warp_size` (threads per program) is at most 1024; `block_l` is a multiple of the
+    wavefront so a row's cells load as whole-wavefront contiguous runs.
+    """
+
+    num_warps: int
+    warp_size: int
+    block_w: int  #: writes per program tile
+    block_l: int  #: cells per write per column chunk
+    max_splits: int  #: most column-chunk programs per tile (second grid axis)
+
+
+def cuda_launch_params() -> LaunchParams:
+    """NVIDIA: 4 warps of 32 lanes, tiles of 4 writes x 256 cells (64 registers on sm_90, no spills;
+    8-write tiles need 168)."""
+    return LaunchParams(num_warps=4, warp_size=32, block_w=4, block_l=256, max_splits=64)
+
+
+def rocm_launch_params(warp_size: int = 64) -> LaunchParams:
+    """AMD: 256 lanes per program whatever the wavefront (4 wavefronts of 64 on CDNA, 8 of 32 on RDNA),
+    tiles of 4 writes x 256 cells: one element per lane per row, so each row loads as whole 64-lane runs.
+
+    Raises:
+        ValueError: a wavefront size other than 32 or 64.
+    """
+    if warp_size not in (32, 64):
+        raise ValueError(f"wavefront size {warp_size} (supported: 32, 64)")
+    params = LaunchParams(num_warps=256 // warp_size, warp_size=warp_size, block_w=4, block_l=256, max_splits=64)
+    assert params.num_warps * params.warp_size <= 1024
+    return params
+
+
+def overlap_rounds(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Order writes so that overlapping ones land in staging order with independent rounds.
+
+    A write's round is its occurrence index among the writes to the same (table, row); writes are
+    stable-sorted by round. Returns (meta rows reordered, int32 `[num_rounds + 1]` round boundaries).
+    """
+    w = meta.shape[0]
+    key = (meta[:, META_TABLE].astype(np.int64) << 32) | meta[:, META_ROW].astype(np.int64)
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    new_group = np.empty(w, dtype=bool)
+    new_group[0] = True
+    np.not_equal(sk[1:], sk[:-1], out=new_group[1:])
+    group_start = np.maximum.accumulate(np.where(new_group, np.arange(w), 0))
+    rounds = np.empty(w, dtype=np.int64)
+    rounds[order] = np.arange(w) - group_start
+    perm = np.argsort(rounds, kind="stable")
+    counts = np.bincount(rounds)
+    bounds = np.zeros(counts.shape[0] + 1, dtype=np.int32)
+    np.cumsum(counts, out=bounds[1:])
+    return meta[perm], bounds
+
+
+_ALIGN = 64
+_PTR, _SIZE, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
+
+
+def _get_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _get_stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+if hasattr(torch._C, "_cuda_getDevice") and hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _get_device = torch._C._cuda_getDevice  # noqa: F811  (the C functions: no Python frame per call)
+    _get_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Slot:
+    """One ring slot in (pinned) host memory: `[meta int32 [wcap, 5] | bounds int32 [wcap + 1] | values
+    [vcap] x 8 bytes]`, with typed numpy views for the copies and the addresses the kernel reads."""
+
+    __slots__ = ("buf", "wcap", "vcap", "meta", "bounds", "views", "meta_addr", "bounds_addr", "values_addr")
+
+    def __init__(self, wcap: int, vcap: int, pin: bool):
+        self.wcap, self.vcap = wcap, vcap
+        b_off = _align(wcap * META_COLUMNS * 4)
+        v_off = b_off + _align((wcap + 1) * 4)
+        self.buf = torch.empty(v_off + vcap * 8, dtype=torch.uint8, pin_memory=pin)
+        raw = self.buf.numpy()
+        self.meta = raw[:b_off].view(np.int32)[: wcap * META_COLUMNS].reshape(wcap, META_COLUMNS)
+        self.bounds = raw[b_off:v_off].view(np.int32)
+        self.views = {np.dtype(d): raw[v_off:].view(d) for d in (np.int32, np.int64, np.float32)}
+        addr = self.buf.data_ptr()
+        self.meta_addr, self.bounds_addr, self.values_addr = addr, addr + b_off, addr + v_off
+
+    def fill(self, meta: np.ndarray, values: np.ndarray) -> None:
+        """Copy `meta` (int32 `[w, 5]`) and `values` in: two memcpys."""
+        self.meta[: meta.shape[0]] = meta
+        self.views[values.dtype][: values.shape[0]] = values
+
+
+class _Descriptors(NamedTuple):
+    tensor: torch.Tensor  #: int64 [num_tables, 6] on the device
+    addr: int
+    num_tables: int
+    kmax: int
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else int(raw)
+
+
+class TritonWriter:
+    """Applies `WriteBatch`es to the tables of one device with one kernel launch per batch.
+
+    Args:
+        device: a CUDA/HIP device, or a CPU device when the kernel runs through Triton's interpreter.
+        params: the launch parameters (`cuda_launch_params()` or `rocm_launch_params(...)`).
+        ring_depth: slots in the pinned ring (>= 1); a slot is reused only once the kernel that read it
+            has finished. Default `$MULTIWRITE_TRITON_RING_DEPTH` or 8.
+        guard: how the host learns that a slot is free again: `"kernel"` (the kernel stores a token into a
+            pinned host word; no driver call) or `"event"` (one CUDA event record per apply and a query
+            before reuse: two driver calls). Default `$MULTIWRITE_TRITON_GUARD` or `"kernel"`.
+        raw_launch: allow binding Triton's C launcher directly (NVIDIA only; else `CompiledKernel.run`).
+        wait_timeout_s: after this long waiting for a slot, synchronize the device instead of polling.
+
+    Attributes:
+        launch_path: how launches are issued: `"interpreter"`; `"jit"` (Triton's `kernel[grid](...)`, used
+            for the first launch of each dtype); after that `"c-launcher (triton X)"` (the compiled C
+            launcher called directly) or `"compiled-kernel-run (triton X)"` (`CompiledKernel.run`), each
+            bound only after one validated no-op launch; or `"jit (...)"` with why no fast path was bound.
+        waits: applies that found their slot still in use and waited.
+
+    Raises:
+        ValueError: `ring_depth < 1` or an unknown guard.
+    """
+
+    DESCRIPTOR_CACHE_SIZE = 64
+
+    def __init__(
+        self,
+        device: torch.device,
+        params: LaunchParams,
+        ring_depth: int | None = None,
+        guard: str | None = None,
+        raw_launch: bool = True,
+        wait_timeout_s: float = 10.0,
+    ):
+        depth = _env_int("MULTIWRITE_TRITON_RING_DEPTH", 8) if ring_depth is None else int(ring_depth)
+        guard = (os.environ.get("MULTIWRITE_TRITON_GUARD") or "kernel") if guard is None else guard
+        if depth < 1:
+            raise ValueError(f"ring_depth={depth} (must be >= 1)")
+        if guard not in ("kernel", "event"):
+            raise ValueError(f"guard={guard!r} (supported: kernel, event)")
+        self.device = device
+        self.params = params
+        self.depth = depth
+        self.is_gpu = device.type != "cpu"
+        self.guard = guard if self.is_gpu else "kernel"
+        self.raw_launch = raw_launch
+        self.wait_timeout_s = wait_timeout_s
+        self.waits = 0
+        self._index = device.index if device.index is not None else 0
+        if self.is_gpu:
+            sms = torch.cuda.get_device_properties(self._index).multi_processor_count
+            self._max_programs = 8 * sms  # enough programs in flight to keep UVA reads going
+        else:
+            self._max_programs = 8  # the interpreter runs programs one after the other
+        # One extra word/counter (index `depth`) for validating a fast launcher.
+        self._done_t = torch.zeros(depth + 1, dtype=torch.int32, pin_memory=self.is_gpu)
+        self._done = self._done_t.numpy()
+        self._done_mv = memoryview(self._done)
+        self._counters = torch.zeros(depth + 1, dtype=torch.int32, device=device)
+        if self.is_gpu:
+            torch.cuda.synchronize(device)  # the zeroing must be complete whatever stream launches next
+        done0, cnt0 = self._done_t.data_ptr(), self._counters.data_ptr()
+        self._done_addr = [done0 + 4 * i for i in range(depth + 1)]
+        self._counter_addr = [cnt0 + 4 * i for i in range(depth + 1)]
+        self._slots = [_Slot(64, 1024, self.is_gpu) for _ in range(depth)]
+        self._tokens = [0] * depth
+        self._events: list = [None] * depth
+        self._succ = [(i + 1) % depth for i in range(depth)]
+        self._next = 0
+        self._descs: OrderedDict = OrderedDict()
+        self._fire: dict = {}  # values numpy dtype -> bound fast launch, or None when it cannot be bound
+        self._last_key: tuple | None = None
+        self._last_desc: _Descriptors | None = None
+        self._kernel_guard = self.guard == "kernel"
+        self._bw, self._bl, self._max_splits = params.block_w, params.block_l, params.max_splits
+        self._bw1, self._bl1 = params.block_w - 1, params.block_l - 1
+        self.launch_path = "interpreter" if INTERPRETED else "jit"
+
+    # -- descriptors ------------------------------------------------------------------------------
+    def _new_descriptors(self, key: tuple, tables: Sequence[torch.Tensor], ks: Sequence[int]) -> _Descriptors:
+        rows = [
+            (t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1], int(k)) for t, k in zip(tables, ks)
+        ]
+        tensor = torch.tensor(rows, dtype=torch.int64).to(self.device)  # synchronous: complete on return
+        d = _Descriptors(tensor, tensor.data_ptr(), len(rows), max(int(k) for k in ks))
+        self._descs[key] = d
+        if len(self._descs) > self.DESCRIPTOR_CACHE_SIZE:
+            # A kernel queued on any stream may still read the oldest entry: let it finish first (rare).
+            if self.is_gpu:
+                torch.cuda.synchronize(self.device)
+            self._descs.popitem(last=False)
+        return d
+
+    # -- ring -------------------------------------------------------------------------------------
+    def _wait(self, i: int) -> None:
+        """Block until the kernel that last read slot `i` has finished (polling, then a device sync)."""
+        self.waits += 1
+        if self.guard == "event":
+            self._events[i].synchronize()
+            return
+        done, token = self._done_mv, self._tokens[i]
+        if not self.is_gpu:  # the interpreter finished the kernel before the launch returned
+            done[i] = token
+            return
+        deadline = time.perf_counter() + self.wait_timeout_s
+        pause = 0.0
+        while done[i] != token:
+            if time.perf_counter() > deadline:
+                torch.cuda.synchronize(self.device)
+                if done[i] != token:  # the kernel never ran (a failed launch): nothing reads the slot
+                    done[i] = token
+                break
+            time.sleep(pause)
+            pause = min(pause * 2 or 2e-6, 1e-3)
+
+    def _grow(self, i: int, w: int, v: int) -> _Slot:
+        old = self._slots[i]
+        slot = _Slot(max(w, 2 * old.wcap), max(v, 2 * old.vcap), self.is_gpu)
+        self._slots[i] = slot
+        return slot
+
+    # -- apply ------------------------------------------------------------------------------------
+    def apply(self, batches: Sequence[WriteBatch]) -> None:
+        """One kernel launch per batch with values, on the current stream of `device`; no host sync.
+
+        Per batch: a descriptor-cache lookup keyed by every table's (data_ptr, shape, strides) and k, the
+        slot guard (a read of a pinned word), two memcpys into the slot and the launch.
+        """
+        for batch in batches:
+            values = batch.values
+            v = values.shape[0]
+            if not v:
+                continue  # only empty writes
+            tables = batch.tables
+            ks = batch.kernel_blocks_per_block
+            key = (*ks, *map(_PTR, tables), *map(_SIZE, tables), *map(_STRIDE, tables))
+            if key == self._last_key:
+                desc = self._last_desc
+            else:
+                desc = self._descs.get(key)
+                if desc is None:
+                    desc = self._new_descriptors(key, tables, ks)
+                self._last_key, self._last_desc = key, desc
+            meta = batch.meta
+            w = meta.shape[0]
+            i = self._next
+            self._next = self._succ[i]
+            token = self._tokens[i]
+            if self._kernel_guard:
+                if self._done_mv[i] != token:
+                    self._wait(i)
+            elif self._events[i] is not None and not self._events[i].query():
+                self._wait(i)
+            slot = self._slots[i]
+            if w > slot.wcap or v > slot.vcap:
+                slot = self._grow(i, w, v)
+            if batch.may_overlap:
+                meta, bounds = overlap_rounds(meta)
+                rounds = bounds.shape[0] - 1
+                slot.bounds[: rounds + 1] = bounds
+                grid0 = grid1 = 1
+            else:
+                rounds = 1
+                grid0 = (w + self._bw1) // self._bw
+                grid1 = (v * desc.kmax + self._bl1) // self._bl  # column chunks of the longest write, at most
+                if grid1 > 1:
+                    grid1 = max(1, min(grid1, self._max_splits, self._max_programs // grid0))
+            slot.meta[:w] = meta
+            slot.views[values.dtype][:v] = values
+            token = token % 0x7FFFFFFF + 1
+            self._tokens[i] = token
+            args = (
+                desc.addr, slot.meta_addr, slot.values_addr, slot.bounds_addr, self._counter_addr[i],
+                self._done_addr[i], token, desc.num_tables, w, v, rounds,
+            )  # fmt: skip
+            fire = self._fire.get(values.dtype)
+            try:
+                if fire is None:
+                    self._launch_jit(tables[0].dtype, values.dtype, grid0, grid1, args)
+                elif self._index == _get_device():
+                    fire(grid0, grid1, _get_stream(self._index), args)
+                else:
+                    with torch.cuda.device(self._index):
+                        fire(grid0, grid1, _get_stream(self._index), args)
+            except BaseException:
+                self._done_mv[i] = token  # nothing was launched: the slot is free
+                raise
+            if not self._kernel_guard:
+                ev = self._events[i]
+                if ev is None:
+                    ev = self._events[i] = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+
+    def _launch_jit(self, dtype: torch.dtype, np_dtype: np.dtype, grid0: int, grid1: int, args: tuple) -> None:
+        """Launch through Triton's JIT (`kernel[grid](...)`); on a GPU, then try to bind a fast launcher."""
+        p = self.params
+        consts = {"VALUE_DTYPE": TL_DTYPES[dtype], "BLOCK_W": p.block_w, "BLOCK_L": p.block_l}
+        if not self.is_gpu:
+            _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
+            return
+        with torch.cuda.device(self._index):
+            kernel = _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
+        if np_dtype not in self._fire:
+            self._fire[np_dtype] = self._bind_fast(kernel, (consts["VALUE_DTYPE"], p.block_w, p.block_l))
+
+    def _bind_fast(self, kernel, consts: tuple):
+        """A launch function `fire(grid0, grid1, stream, args)` that bypasses the JIT, or None.
+
+        Candidates, fastest first: Triton's compiled C launcher called directly (NVIDIA, Triton 3.6 and
+        3.9 calling conventions, no scratch memory), then `CompiledKernel.run`. Each must pass one no-op
+        launch (no writes; it must store its token into the validation word) before it is used.
+        """
+        reasons = []
+        try:
+            from triton import knobs
+
+            hook = getattr(knobs.runtime, "launch_enter_hook", None)
+            if hook is not None and getattr(hook, "calls", True):
+                raise RuntimeError("Triton launch hooks are installed (profiling): keep the JIT path")
+            run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+        except Exception as exc:
+            self.launch_path = f"jit (no fast launcher: {type(exc).__name__}: {exc})"
+            return None
+        candidates = []
+        launch = getattr(run, "launch", None)
+        if self.raw_launch and self.device.type == "cuda" and torch.version.hip is None and launch is not None:
+            scratch = (getattr(run, "global_scratch_size", 1), getattr(run, "profile_scratch_size", 1))
+            coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
+            if scratch == (0, 0) and coop is not None and pdl is not None and not getattr(run, "gsan_enabled", False):
+                if hasattr(run, "arg_annotations"):  # Triton 3.9: (..., hooks, scratch, annotations, sig, args)
+                    ann, ksig = run.arg_annotations, run.kernel_signature
+
+                    def fire(g0, g1, stream, args):
+                        launch(g0, g1, 1, stream, function, coop, pdl, packed, None, None, None, None, None,
+                               ann, ksig, (*args, *consts))  # fmt: skip
+
+                else:  # Triton 3.6: (..., scratch, scratch, metadata, launch metadata, hooks, *args)
+
+                    def fire(g0, g1, stream, args):
+                        launch(g0, g1, 1, stream, function, coop, pdl, None, None, packed, None, None, None,
+                               *args, *consts)  # fmt: skip
+
+                candidates.append(("c-launcher", fire))
+            else:
+                reasons.append(f"c-launcher: scratch={scratch} cooperative={coop} pdl={pdl}")
+
+        def fire_run(g0, g1, stream, args):
+            run(g0, g1, 1, stream, function, packed, None, None, None, *args, *consts)
+
+        candidates.append(("compiled-kernel-run", fire_run))
+        for name, fire in candidates:
+            try:
+                self._validate(fire)
+            except Exception as exc:
+                reasons.append(f"{name}: {type(exc).__name__}: {exc}")
+                continue
+            self.launch_path = f"{name} (triton {triton.__version__})"
+            if reasons:
+                self.launch_path += f"; not used: {'; '.join(reasons)}"
+            return fire
+        self.launch_path = f"jit (no fast launcher: {'; '.join(reasons)})"
+        return None
+
+    def _validate(self, fire) -> None:
+        """One no-op launch through `fire`: it must complete and store its token (one sync, once)."""
+        i = self.depth
+        token = int(self._done[i]) % 0x7FFFFFFF + 1
+        args = (0, 0, 0, 0, self._counter_addr[i], self._done_addr[i], token, 0, 0, 0, 1)
+        with torch.cuda.device(self._index):
+            fire(1, 1, torch._C._cuda_getCurrentRawStream(self._index), args)
+            torch.cuda.current_stream(self.device).synchronize()
+        if int(self._done[i]) != token:
+            raise RuntimeError(f"validation launch did not complete (done word {int(self._done[i])} != {token})")
