@@ -157,6 +157,13 @@ def _verdict(value: float, goal: float, higher_is_better: bool = False) -> str:
     return f"missed by {goal / value if higher_is_better else value / goal:.1f}x"
 
 
+def _fraction(r: float) -> str:
+    """0.4 -> "1/2.5 of", 3.0 -> "3.00x"."""
+    if not math.isfinite(r) or r <= 0:
+        return "? of"
+    return f"1/{1 / r:.1f} of" if r < 1 else f"{r:.2f}x"
+
+
 def goal_lines(result: BenchResult) -> list[str]:
     """One line per goal of ANCHORS.md that this run's device can judge: the value, the goal, met or by
     how much it is missed. Goals of the other kind of device are named as not measured."""
@@ -169,7 +176,7 @@ def goal_lines(result: BenchResult) -> list[str]:
                 continue
             r = c.ratio("step", "naive")
             lines.append(
-                f"CPU staging+apply at C={c_req} G3 = 1/{1 / r:.1f} of the per-write loop (naive); "
+                f"CPU staging+apply at C={c_req} G3 = {_fraction(r)} the per-write loop (naive); "
                 f"goal 1/{goal}: {_verdict(r, 1 / goal)}"
             )
         lines.append("GPU goals: not measured on a CPU run")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from multiwrite import bench_variants
-from multiwrite.bench_report import CSV_COLUMNS, format_table
+from multiwrite.bench_report import CSV_COLUMNS, csv_rows, format_table, goal_lines, terminal_report
+from multiwrite.bench_run import BenchResult, BurstResult, ConfigResult, Stats, VariantResult
 from multiwrite.bench_variants import Mismatch, Snapshot, compare
 from multiwrite.cli import main
 from multiwrite.reference import ReferenceBlockTables
@@ -111,3 +112,42 @@ def test_format_table_aligns_columns():
     lines = format_table(["config", "C", "fused"], [["G1", "40", "1.5 (2.0)"], ["G3", "256", "10.25 (12.0)"]])
     assert len({len(line) for line in lines}) == 1
     assert lines[2].startswith("  G1 ") and lines[2].endswith(" 1.5 (2.0)")
+
+
+def _fake_gpu_result() -> BenchResult:
+    """A made-up GPU run, so that the GPU branches of the report run on machines without a GPU."""
+    env = {"multiwrite": "0", "torch": "t", "triton": "tr", "numpy": "n", "python": "p", "device": "cuda:0"}
+    result = BenchResult("2026-11-29T00:00:00+00:00", {**env, "device_name": "H", "torch_threads": "8"}, "b", "x", 9, 1)
+    for config, c in (("G1", 40), ("G3", 40)):
+        cr = ConfigResult(config, c, 9, 5.0, floor="floor-triton")
+        for name, t in (("fused", 12.0), ("per-group", 30.0), ("naive", 60.0)):
+            cr.variants[name] = VariantResult(
+                name, Stats(t + 3, t + 9, 8), Stats(t, t + 5, 8), Stats(4.0, 6.0, 8), True
+            )
+        for name, t in (("floor-triton", 10.0), ("floor-torch", 6.0)):
+            cr.variants[name] = VariantResult(name, None, Stats(t, t + 1, 8), Stats(2.0, 3.0, 8))
+        result.configs.append(cr)
+    result.burst = BurstResult(2, 8, 256, Stats(5, 6, 3), Stats(10, 12, 3), Stats(4, 5, 3), "pinned-h2d-copy", True)
+    return result
+
+
+def test_gpu_report_judges_the_gpu_goals():
+    result = _fake_gpu_result()
+    text = terminal_report(result)
+    assert "device time per apply" in text and "floor-triton" in text
+    goals = goal_lines(result)
+    assert goals[0].startswith("GPU apply host time <= 1.3x") and "met on 2 of 2" in goals[0]
+    assert "= 1.50x one empty launch; goal <= 2x: met" in goals[1]  # step 15 us / floor 10 us
+    assert "= 4.0 us; goal <= 5 us: met" in goals[2]
+    assert "= 0.40x the pinned-h2d-copy bandwidth; goal >= 0.5x: missed by 1.2x" in goals[3]
+    rows = csv_rows(result)
+    assert {r["metric"] for r in rows} >= {"step_us", "apply_us", "device_us", "burst_copy_us"}
+    assert {r["verified"] for r in rows if r["variant"].startswith("floor")} == {"n/a"}
+
+
+def test_gpu_plot_draws_both_floors(tmp_path):
+    pytest.importorskip("matplotlib")
+    from multiwrite.bench_report import write_plot
+
+    write_plot(_fake_gpu_result(), tmp_path / "gpu.png")
+    assert (tmp_path / "gpu.png").stat().st_size > 0
