@@ -25,12 +25,15 @@ class WriteBatch:
             `values[offset:offset + length]`.
         may_overlap: false guarantees that no two writes touch the same row of the same table, so they
             can be applied in any order; when true, later writes must win where they overlap.
+        values_in_order: true guarantees that each write's values start where the previous write's end
+            (`META_VALUE_OFFSET` is the running sum of `META_LENGTH`, from 0), so `values` is every cell's
+            value in staging order.
 
     Every write was validated against its table's shape and dtype when staged. `meta` and `values`
     may be views of the staging buffers: they are valid only until `Backend.apply` returns.
     """
 
-    __slots__ = ("tables", "kernel_blocks_per_block", "meta", "values", "may_overlap")
+    __slots__ = ("tables", "kernel_blocks_per_block", "meta", "values", "may_overlap", "values_in_order")
 
     def __init__(
         self,
@@ -39,12 +42,14 @@ class WriteBatch:
         meta: np.ndarray,
         values: np.ndarray,
         may_overlap: bool,
+        values_in_order: bool = False,
     ):
         self.tables = tables
         self.kernel_blocks_per_block = kernel_blocks_per_block
         self.meta = meta
         self.values = values
         self.may_overlap = may_overlap
+        self.values_in_order = values_in_order
 
     @property
     def dtype(self) -> torch.dtype:

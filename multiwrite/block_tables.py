@@ -10,8 +10,20 @@ import torch
 
 from multiwrite.backend import Backend
 from multiwrite.errors import StagedWriteError
-from multiwrite.staging import META_COLUMNS, StagedWriteTensor, StagingArena, _checked_values
+from multiwrite.staging import (
+    META_COLUMNS,
+    StagedWriteTensor,
+    StagingArena,
+    _checked_values,
+    expand_kernel_blocks,
+)
 from multiwrite.writer import FusedStagedWriter
+
+try:  # the compiled staging path (optional: built where a C compiler exists)
+    from multiwrite._cstaging import stage_block_ids as _stage_block_ids
+except ImportError:  # pragma: no cover - depends on the install
+    _stage_block_ids = None
+_GROW = 1  # status of the compiled path: the arena needs room
 
 _META_BYTES = META_COLUMNS * 4  # one int32 metadata row
 
@@ -99,6 +111,13 @@ class BlockTables:
         self._widths = widths
         # Per group: k, row width, largest manager id whose kernel ids b*k + k - 1 fit int32.
         self._groups = [(k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(self.kernel_blocks_per_block, widths)]
+        # int64 context of the compiled path: arena and num_blocks addresses and sizes, then per group
+        # (k, width, max id); see multiwrite/_cstaging.c.
+        self._context = np.zeros(7 + 3 * num_groups, dtype=np.int64)
+        self._context[6] = num_groups
+        self._context[7:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
+        self._context_addr = self._context.ctypes.data
+        self._refresh_context()
 
     @property
     def num_groups(self) -> int:
@@ -136,6 +155,39 @@ class BlockTables:
                 its width, ids that are not integers or whose kernel ids overflow int32. Nothing is
                 staged for any group then.
         """
+        if _stage_block_ids is not None:
+            arena = self._arena
+            if arena.generation != self._context_generation:
+                self._refresh_context()
+            w = arena.num_writes
+            done = _stage_block_ids(
+                self._context_addr, w, arena.num_values, arena.rows_seen, req_index, new_block_ids, overwrite
+            )
+            if done.__class__ is tuple:
+                if done[0] != w:
+                    arena.num_writes, arena.num_values, overlapped = done
+                    if overlapped:
+                        arena.may_overlap = True
+                    self._num_blocks_dirty = True
+                return
+            if done == _GROW:
+                needed = sum(len(ids) * k for ids, (k, _, _) in zip(new_block_ids, self._groups))
+                arena.reserve(len(self._groups), needed)
+                self._refresh_context()
+                return self.append_block_ids(req_index, new_block_ids, overwrite)
+        self._append_block_ids_python(req_index, new_block_ids, overwrite)
+
+    def _refresh_context(self) -> None:
+        """Point the compiled path at the arena's current arrays (after any reallocation)."""
+        arena, ctx = self._arena, self._context
+        ctx[:6] = (
+            arena.meta.ctypes.data, arena.meta.shape[0], arena.values.ctypes.data, arena.values.shape[0],
+            self.num_blocks.ctypes.data, self.max_num_reqs,
+        )  # fmt: skip
+        self._context_generation = arena.generation
+
+    def _append_block_ids_python(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
+        """`append_block_ids` without the compiled path: same checks, same staged data, precise errors."""
         groups = self._groups
         if len(new_block_ids) != len(groups):
             raise StagedWriteError(
@@ -169,45 +221,49 @@ class BlockTables:
             for g, ids in enumerate(new_block_ids):
                 n = len(ids)
                 k, width, max_id = groups[g]
+                cells = n * k
                 if n:
                     start = 0 if overwrite else num_blocks[g, req]
-                    if start + n * k > width:
+                    if start + cells > width:
                         raise StagedWriteError(
                             f"{self.block_tables[g]._describe(req, start, n)}: {n} block ids x {k} kernel blocks "
-                            f"end at column {start + n * k}, past the row width {width}"
+                            f"end at column {start + cells}, past the row width {width}"
                         )
-                    if v + n > arena.values.shape[0]:
-                        arena.reserve(len(groups), v - v0 + n)
+                    if v + cells > arena.values.shape[0]:
+                        arena.reserve(len(groups), v - v0 + cells)
                     if n <= 8 and type(ids) in (list, tuple):
-                        flat = arena.values_flat
-                        for i, b in enumerate(ids, v):
-                            flat[i] = b  # checks the type and the int32 range
                         low, high = min(ids), max(ids)
+                        if low < 0 or high > max_id:
+                            self._raise_bad_id(g, req, start, n, low if low < 0 else high)
+                        flat = arena.values_flat
+                        if k == 1:
+                            for i, b in enumerate(ids, v):
+                                flat[i] = b  # checks the type and the int32 range
+                        else:
+                            i = v
+                            for b in ids:
+                                for j in range(b * k, b * k + k):
+                                    flat[i] = j
+                                    i += 1
                     else:
                         ids, n = _checked_values(ids, np.int32, self._describer(g, req, start))
-                        arena.values[v : v + n] = ids
-                        low, high = (
-                            (int(ids.min()), int(ids.max())) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
-                        )
-                    if low < 0 or high > max_id:
-                        bad = low if low < 0 else high
-                        raise StagedWriteError(
-                            f"{self.block_tables[g]._describe(req, start, n)}: block id {bad} is "
-                            + ("negative" if bad < 0 else f"too large: its {k} kernel block ids overflow int32")
-                        )
+                        low, high = int(min(ids)), int(max(ids))
+                        if low < 0 or high > max_id:
+                            self._raise_bad_id(g, req, start, n, low if low < 0 else high)
+                        arena.values[v : v + cells] = expand_kernel_blocks(np.asarray(ids, dtype=np.int64), k)
                 elif overwrite:
                     start = 0
                 else:
                     continue
-                pack(meta, w * _META_BYTES, g, req, start, n, v)
+                pack(meta, w * _META_BYTES, g, req, start, cells, v)
                 w += 1
-                v += n
+                v += cells
                 key = row_key | g
                 if key in seen:
                     arena.may_overlap = True
                 else:
                     seen.add(key)
-                counts.append(start + n * k)
+                counts.append(start + cells)
                 counts.append(g)
         except (TypeError, ValueError, OverflowError) as exc:
             # Nothing of this call stays staged: the counters never moved; forget its row keys.
@@ -224,6 +280,19 @@ class BlockTables:
             self._num_blocks_dirty = True
             for i in range(0, len(counts), 2):
                 num_blocks[counts[i + 1], req] = counts[i]
+
+    def _raise_bad_id(self, g: int, req: int, start: int, n: int, bad: int) -> None:
+        k = self._groups[g][0]
+        raise StagedWriteError(
+            f"{self.block_tables[g]._describe(req, start, n)}: block id {bad} is "
+            + (
+                "negative"
+                if bad < 0
+                else "too large: it does not fit int32"
+                if k == 1
+                else f"too large: its {k} kernel block ids overflow int32"
+            )
+        )
 
     def _describer(self, g: int, req: int, start: int) -> Callable[[int], str]:
         table = self.block_tables[g]

@@ -2,7 +2,8 @@
 
 A staged write is `(row, start, values)`: it will set `tensor[row, start:start + len(values) * k]`, where
 each value `v` becomes the `k` values `v * k + j` (`k` is `kernel_blocks_per_block`, 1 for a plain
-table). Writes wait in a `StagingArena` (plain numpy arrays that grow geometrically) until a
+table). The expansion happens here, at staging time, so backends write values exactly as staged.
+Writes wait in a `StagingArena` (plain numpy arrays that grow geometrically) until a
 `FusedStagedWriter` applies them; one arena may serve several tables of one dtype, so that all the
 KV-cache groups of a `BlockTables` are packed in staging order, ready to hand to a kernel in one piece.
 """
@@ -23,7 +24,7 @@ from multiwrite.errors import StagedWriteError
 META_TABLE = 0  #: index of the target table within the batch
 META_ROW = 1  #: row of the table
 META_START = 2  #: first column written
-META_LENGTH = 3  #: number of staged values (cells written = length * kernel_blocks_per_block)
+META_LENGTH = 3  #: number of values = cells written (kernel block ids are expanded when staged)
 META_VALUE_OFFSET = 4  #: offset of the write's first value in the batch's value array
 META_COLUMNS = 5
 
@@ -53,6 +54,9 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
 class StagingArena:
     """Staged writes of one or more tables of one dtype, in staging order, in growable numpy arrays.
 
+    Values are appended in staging order with no gaps: write `w`'s value offset is the sum of the
+    lengths of the writes before it (backends may rely on it; `drop_tables` keeps it so).
+
     `meta[:num_writes]` holds one int32 row per write with the `META_*` columns; `values[:num_values]`
     holds the staged values, each write's values contiguous. `may_overlap` turns true once two staged
     writes hit the same row of the same table (they may then touch the same cells, and backends must
@@ -72,6 +76,7 @@ class StagingArena:
         "rows_seen",
         "may_overlap",
         "layout_version",
+        "generation",
     )
 
     #: `pack_meta(meta_bytes, write_index * 20, table, row, start, length, value_offset)` stores one
@@ -90,6 +95,7 @@ class StagingArena:
         self.rows_seen: set[int] = set()  # row << 16 | table, for the writes staged now
         self.may_overlap = False
         self.layout_version = 0  # bumped whenever a table is added or replaced
+        self.generation = 0  # bumped whenever `meta` or `values` is reallocated
 
     def add_target(self, target: StagedWriteTensor) -> int:
         """Register a table that stages here; returns its table index in this arena's metadata."""
@@ -106,11 +112,13 @@ class StagingArena:
             grown[: self.meta.shape[0]] = self.meta
             self.meta = grown
             self.meta_bytes = grown.data.cast("B")
+            self.generation += 1
         if self.num_values + values > self.values.shape[0]:
             grown_v = np.zeros(max(self.num_values + values, 2 * self.values.shape[0]), dtype=self.np_dtype)
             grown_v[: self.values.shape[0]] = self.values  # uncommitted tail values too
             self.values = grown_v
             self.values_flat = grown_v.data
+            self.generation += 1
 
     def push(self, table: int, row: int, start: int, values: Any, length: int) -> None:
         """Append one write whose row, start and length were validated. `values` is a list, tuple or
@@ -395,8 +403,11 @@ class StagedWriteTensor:
             )
         try:
             if k > 1 and n:
+                if fast:  # check the values themselves first (type and range), then expand
+                    values, _ = _checked_values(values, self._np_dtype, lambda n: self._describe(index, start, n))
                 _check_expanded_range(values, k, self._np_dtype, lambda: self._describe(index, start, n))
-            self._arena.push(self._index, index, start, values, n)
+                values = expand_kernel_blocks(np.asarray(values, dtype=np.int64), k)
+            self._arena.push(self._index, index, start, values, n * k)
         except (OverflowError, TypeError, ValueError) as exc:
             if isinstance(exc, StagedWriteError):
                 raise
@@ -434,15 +445,18 @@ class StagedWriteTensor:
         mine = meta[meta[:, META_TABLE] == self._index]
         if not mine.shape[0]:
             return
-        ends = (
-            mine[:, META_START].astype(np.int64) + mine[:, META_LENGTH].astype(np.int64) * self.kernel_blocks_per_block
-        )
+        ends = mine[:, META_START].astype(np.int64) + mine[:, META_LENGTH]
         bad = np.nonzero((mine[:, META_ROW] >= shape[0]) | (ends > shape[1]))[0]
         if bad.size:
             row, start, length = (int(x) for x in mine[bad[0], [META_ROW, META_START, META_LENGTH]])
             raise StagedWriteError(
                 f"{self._describe(row, start, length)}: staged for the old table, does not fit shape {shape}"
             )
+
+
+def expand_kernel_blocks(ids: np.ndarray, k: int) -> np.ndarray:
+    """Manager block ids `[n]` -> kernel block ids `[n * k]`: each `b` becomes `b*k, b*k+1, ..., b*k+k-1`."""
+    return (ids[:, None] * k + np.arange(k, dtype=ids.dtype)).reshape(-1)
 
 
 def _check_expanded_range(values: Any, k: int, np_dtype: type[np.generic], describe: Any) -> None:

@@ -71,7 +71,8 @@ class FusedStagedWriter:
             arena = fast[2]
             if arena.num_writes:
                 w, v = arena.num_writes, arena.num_values
-                self.backend.apply([WriteBatch(fast[4], fast[5], arena.meta[:w], arena.values[:v], arena.may_overlap)])
+                meta, values = arena.meta[:w], arena.values[:v]
+                self.backend.apply([WriteBatch(fast[4], fast[5], meta, values, arena.may_overlap, True)])
                 arena.clear()
             return
         groups: dict[int, tuple[StagingArena, list[int]]] = {}
@@ -114,7 +115,7 @@ class FusedStagedWriter:
                     arena,
                     arena.layout_version,
                     [t._table for t in targets],
-                    [t.kernel_blocks_per_block for t in targets],
+                    [1] * len(targets),
                 )
 
     def __repr__(self) -> str:
@@ -127,9 +128,7 @@ def _arena_batch(arena: StagingArena, indices: list[int]) -> WriteBatch:
     meta = arena.meta[: arena.num_writes]
     values = arena.values[: arena.num_values]
     if len(indices) == len(targets) and indices == list(range(len(targets))):
-        return WriteBatch(
-            [t._table for t in targets], [t.kernel_blocks_per_block for t in targets], meta, values, arena.may_overlap
-        )
+        return WriteBatch([t._table for t in targets], [1] * len(targets), meta, values, arena.may_overlap, True)
     remap = np.full(len(targets), -1, dtype=np.int32)
     remap[np.asarray(indices)] = np.arange(len(indices), dtype=np.int32)
     new_table = remap[meta[:, META_TABLE]]
@@ -137,7 +136,7 @@ def _arena_batch(arena: StagingArena, indices: list[int]) -> WriteBatch:
     sub[:, META_TABLE] = new_table[new_table >= 0]
     return WriteBatch(
         [targets[i]._table for i in indices],
-        [targets[i].kernel_blocks_per_block for i in indices],
+        [1] * len(indices),
         sub,
         values,
         arena.may_overlap,
@@ -162,4 +161,5 @@ def _merge(parts: list[WriteBatch]) -> WriteBatch:
         np.concatenate(metas),
         np.concatenate(values),
         any(p.may_overlap for p in parts),
+        all(p.values_in_order for p in parts),
     )

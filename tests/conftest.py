@@ -82,3 +82,16 @@ def backend(request: pytest.FixtureRequest) -> BackendCase:
     if marker is not None:
         pytest.fail(f"{BACKEND_ENV}={FORCED} was forced but cannot run: {marker.args[0]}")
     return request.param
+
+
+@pytest.fixture(params=["compiled", "python"])
+def staging(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """BlockTables staging through the compiled path (when built) and through the pure-Python path."""
+    import multiwrite.block_tables as block_tables
+
+    if request.param == "compiled":
+        if block_tables._stage_block_ids is None:
+            pytest.skip("multiwrite._cstaging is not built (no C compiler at install time)")
+    else:
+        monkeypatch.setattr(block_tables, "_stage_block_ids", None)
+    return request.param

@@ -78,12 +78,12 @@ def tables() -> BlockTables:
         (0, ([1], [2], [-3]), False, "negative"),
         (0, ([1], [2**30], [3]), False, "overflow int32"),
         (0, ([1], [2], [3.0]), False, "float value"),
-        (0, ([1], [2], [2**31]), True, "does not fit int32"),
+        (0, ([1], [2], [2**31]), True, "block id 2147483648 is too large: it does not fit int32"),
         (0, ([1], [2], np.array([1.5])), True, "cannot go into an integer table"),
         (0, ([1, 2, 3, 4, 5], [], []), True, "end at column 5, past the row width 4"),
     ],
 )
-def test_append_block_ids_rejects_without_staging_anything(req, ids, overwrite, fragment):
+def test_append_block_ids_rejects_without_staging_anything(staging, req, ids, overwrite, fragment):
     bt = tables()
     bt.append_block_ids(0, ([9], [8], [7]), overwrite=True)
     bt.apply_staged_writes()
@@ -138,7 +138,7 @@ def test_shrunk_table_is_caught_before_writing():
     assert t.num_staged_writes == 1
 
 
-def test_clear_staged_writes_restores_num_blocks():
+def test_clear_staged_writes_restores_num_blocks(staging):
     bt = tables()
     bt.append_block_ids(0, ([1], [2], [3]), overwrite=True)
     bt.apply_staged_writes()

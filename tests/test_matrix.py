@@ -20,7 +20,7 @@ def seed_tables(backend) -> BlockTables:
     return BlockTables([16, 32, 8], 4, [8, 8, 8], backend.device, kernel_block_sizes=[16, 16, 8], backend=backend.name)
 
 
-def test_seed_scenario_three_groups(backend):
+def test_seed_scenario_three_groups(staging, backend):
     bt = seed_tables(backend)
     assert bt.backend.NAME == backend.name
     assert [t.tensor.shape[1] for t in bt.block_tables] == [8, 16, 8]
@@ -43,7 +43,7 @@ def test_seed_scenario_three_groups(backend):
     assert host(bt.num_blocks_device)[:, 0].tolist() == [3, 6, 1]
 
 
-def test_single_group(backend):
+def test_single_group(staging, backend):
     bt = BlockTables([16], 3, [5], backend.device, backend=backend.name)
     bt.append_block_ids(2, ([4, 9, 11],), overwrite=True)
     bt.apply_staged_writes()
@@ -59,7 +59,7 @@ def test_single_group(backend):
     assert bt.num_blocks[0, 2] == 1
 
 
-def test_multi_group_apply_reaches_backend_as_one_call(backend, monkeypatch):
+def test_multi_group_apply_reaches_backend_as_one_call(staging, backend, monkeypatch):
     bt = BlockTables([16, 32, 8, 16], 4, [4, 4, 4, 4], backend.device, [16, 16, 8, 16], backend=backend.name)
     calls = []
     original = bt.backend.apply
@@ -173,7 +173,7 @@ def test_partial_apply_of_shared_staging_keeps_other_groups(backend):
     assert host(bt.num_blocks_device)[:, 0].tolist() == [1, 2, 1]
 
 
-def test_replay_of_a_trace_matches_reference(backend):
+def test_replay_of_a_trace_matches_reference(staging, backend):
     from multiwrite.replay import count_mismatches
     from multiwrite.workload import load_trace, max_blocks_per_group, replay_steps
 

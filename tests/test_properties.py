@@ -99,7 +99,7 @@ def block_table_calls(draw):
     return block_sizes, kernel, reqs, max_blocks, steps
 
 
-def test_random_block_tables_match_reference(backend):
+def test_random_block_tables_match_reference(staging, backend):
     @settings(max_examples=examples(backend), deadline=None, suppress_health_check=list(HealthCheck))
     @given(block_table_calls())
     def check(case):
