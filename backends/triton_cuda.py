@@ -72,16 +72,19 @@ class _TritonBackend(Backend):
 
     Args:
         ring_depth: pinned ring slots per device (default `$MULTIWRITE_TRITON_RING_DEPTH` or 8).
-        guard: `"kernel"` or `"event"` (default `$MULTIWRITE_TRITON_GUARD` or `"kernel"`); see
-            `triton_kernel.TritonWriter`.
+        guard: `"kernel"` or `"event"` (default `$MULTIWRITE_TRITON_GUARD` or `"kernel"`).
+        launcher: `"auto"`, `"run"` or `"jit"` (default `$MULTIWRITE_TRITON_LAUNCHER` or `"auto"`).
+
+    See `triton_kernel.TritonWriter` for what each knob does.
     """
 
     PRIORITY = 100
     SUPPORTED_DEVICE_TYPES = frozenset({"cuda"})
 
-    def __init__(self, ring_depth: int | None = None, guard: str | None = None):
+    def __init__(self, ring_depth: int | None = None, guard: str | None = None, launcher: str | None = None):
         self.ring_depth = ring_depth
         self.guard = guard
+        self.launcher = launcher
         self._writers: dict = {}
         self._lock = threading.Lock()
 
@@ -124,7 +127,7 @@ class _TritonBackend(Backend):
                 if w is None:
                     from multiwrite.backends.triton_kernel import TritonWriter
 
-                    w = TritonWriter(device, self._launch_params(device), self.ring_depth, self.guard)
+                    w = TritonWriter(device, self._launch_params(device), self.ring_depth, self.guard, self.launcher)
                     self._writers[device] = w
         return w
 

@@ -68,17 +68,17 @@ def _write_kernel_fn(
     multi = num_rounds > 1
     # Rounds (only with overlapping writes, launched as one program): round r's writes land before r+1's.
     for r in range(0, num_rounds):
-        w_begin = tl.load(bounds + r, mask=multi, other=0)
-        w_end = tl.load(bounds + r + 1, mask=multi, other=num_writes)
+        w_begin = tl.load(bounds + r, mask=multi, other=0, cache_modifier=".cv")
+        w_end = tl.load(bounds + r + 1, mask=multi, other=num_writes, cache_modifier=".cv")
         for w0 in range(w_begin + pid_w * BLOCK_W, w_end, n_w * BLOCK_W):
             w = w0 + lanes_w
             live = w < w_end
             m = meta + w * 5
-            t = tl.load(m + 0, mask=live, other=-1)
-            row = tl.load(m + 1, mask=live, other=-1)
-            start = tl.load(m + 2, mask=live, other=-1)
-            length = tl.load(m + 3, mask=live, other=0)
-            voff = tl.load(m + 4, mask=live, other=0)
+            t = tl.load(m + 0, mask=live, other=-1, cache_modifier=".cv")
+            row = tl.load(m + 1, mask=live, other=-1, cache_modifier=".cv")
+            start = tl.load(m + 2, mask=live, other=-1, cache_modifier=".cv")
+            length = tl.load(m + 3, mask=live, other=0, cache_modifier=".cv")
+            voff = tl.load(m + 4, mask=live, other=0, cache_modifier=".cv")
             live = live & (t >= 0) & (t < num_tables) & (row >= 0) & (start >= 0) & (length > 0)
             d = desc + t.to(tl.int64) * 6
             base = tl.load(d + 0, mask=live, other=0)
@@ -97,7 +97,7 @@ def _write_kernel_fn(
                 q = pos[None, :] // k[:, None]
                 vidx = voff[:, None] + q
                 keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
-                v = tl.load(values + vidx, mask=keep, other=0)
+                v = tl.load(values + vidx, mask=keep, other=0, cache_modifier=".cv")
                 j = (pos[None, :] - q * k[:, None]).to(VALUE_DTYPE)
                 expanded = v * k[:, None].to(VALUE_DTYPE) + j
                 out = tl.where(k[:, None] > 1, expanded, v)
@@ -110,7 +110,7 @@ def _write_kernel_fn(
     finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     last = finished == n_w * n_s - 1
     tl.atomic_xchg(counter, 0, mask=last, sem="acq_rel", scope="gpu")
-    tl.store(done_addr.to(tl.pointer_type(tl.int32)), token, mask=last)
+    tl.store(done_addr.to(tl.pointer_type(tl.int32)), token, mask=last, cache_modifier=".wt")
 
 
 #: The runtime kernel (an `InterpretedFunction` when TRITON_INTERPRET was set at import).
@@ -251,7 +251,9 @@ class TritonWriter:
         guard: how the host learns that a slot is free again: `"kernel"` (the kernel stores a token into a
             pinned host word; no driver call) or `"event"` (one CUDA event record per apply and a query
             before reuse: two driver calls). Default `$MULTIWRITE_TRITON_GUARD` or `"kernel"`.
-        raw_launch: allow binding Triton's C launcher directly (NVIDIA only; else `CompiledKernel.run`).
+        launcher: `"auto"` (after the first JIT launch, bind Triton's C launcher directly on NVIDIA, else
+            `CompiledKernel.run`), `"run"` (`CompiledKernel.run` only) or `"jit"` (always Triton's JIT
+            launch path). Default `$MULTIWRITE_TRITON_LAUNCHER` or `"auto"`.
         wait_timeout_s: after this long waiting for a slot, synchronize the device instead of polling.
 
     Attributes:
@@ -262,7 +264,7 @@ class TritonWriter:
         waits: applies that found their slot still in use and waited.
 
     Raises:
-        ValueError: `ring_depth < 1` or an unknown guard.
+        ValueError: `ring_depth < 1`, an unknown guard or launcher.
     """
 
     DESCRIPTOR_CACHE_SIZE = 64
@@ -273,21 +275,24 @@ class TritonWriter:
         params: LaunchParams,
         ring_depth: int | None = None,
         guard: str | None = None,
-        raw_launch: bool = True,
+        launcher: str | None = None,
         wait_timeout_s: float = 10.0,
     ):
         depth = _env_int("MULTIWRITE_TRITON_RING_DEPTH", 8) if ring_depth is None else int(ring_depth)
         guard = (os.environ.get("MULTIWRITE_TRITON_GUARD") or "kernel") if guard is None else guard
         if depth < 1:
             raise ValueError(f"ring_depth={depth} (must be >= 1)")
+        launcher = (os.environ.get("MULTIWRITE_TRITON_LAUNCHER") or "auto") if launcher is None else launcher
         if guard not in ("kernel", "event"):
             raise ValueError(f"guard={guard!r} (supported: kernel, event)")
+        if launcher not in ("auto", "run", "jit"):
+            raise ValueError(f"launcher={launcher!r} (supported: auto, run, jit)")
         self.device = device
         self.params = params
         self.depth = depth
         self.is_gpu = device.type != "cpu"
         self.guard = guard if self.is_gpu else "kernel"
-        self.raw_launch = raw_launch
+        self.launcher = launcher
         self.wait_timeout_s = wait_timeout_s
         self.waits = 0
         self._index = device.index if device.index is not None else 0
@@ -433,7 +438,10 @@ class TritonWriter:
                 ev = self._events[i]
                 if ev is None:
                     ev = self._events[i] = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
+                if self._index == _get_device():
+                    ev.record()  # on the current stream, like the launch
+                else:
+                    ev.record(torch.cuda.current_stream(self.device))
 
     def _launch_jit(self, dtype: torch.dtype, np_dtype: np.dtype, grid0: int, grid1: int, args: tuple) -> None:
         """Launch through Triton's JIT (`kernel[grid](...)`); on a GPU, then try to bind a fast launcher."""
@@ -444,7 +452,7 @@ class TritonWriter:
             return
         with torch.cuda.device(self._index):
             kernel = _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
-        if np_dtype not in self._fire:
+        if np_dtype not in self._fire and self.launcher != "jit":
             self._fire[np_dtype] = self._bind_fast(kernel, (consts["VALUE_DTYPE"], p.block_w, p.block_l))
 
     def _bind_fast(self, kernel, consts: tuple):
@@ -467,7 +475,7 @@ class TritonWriter:
             return None
         candidates = []
         launch = getattr(run, "launch", None)
-        if self.raw_launch and self.device.type == "cuda" and torch.version.hip is None and launch is not None:
+        if self.launcher == "auto" and self.device.type == "cuda" and torch.version.hip is None and launch is not None:
             scratch = (getattr(run, "global_scratch_size", 1), getattr(run, "profile_scratch_size", 1))
             coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
             if scratch == (0, 0) and coop is not None and pdl is not None and not getattr(run, "gsan_enabled", False):
