@@ -54,6 +54,13 @@ def _write_kernel_fn(
     BLOCK_W: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
+    """Apply `num_writes` staged writes (one launch): write w sets `length * k` cells of its table's row
+    from column `start`, value `values[voff + pos // k] * k + pos % k` (just the value when k == 1).
+
+    Every address is an int64 scalar: host slot addresses are UVA pointers to pinned memory. Cells
+    outside a descriptor's rows/columns and values past `num_values` are masked off. Grid: (tiles of
+    BLOCK_W writes, column splits); with `num_rounds > 1` a single program applies the rounds in order.
+    """
     # Axis 0 walks tiles of BLOCK_W writes, axis 1 splits their cells into column chunks of BLOCK_L.
     pid_w = tl.program_id(0)
     pid_s = tl.program_id(1)
