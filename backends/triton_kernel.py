@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -194,17 +194,10 @@ _ALIGN = 64
 _PTR, _SIZE, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
 
 
-def _get_device() -> int:
-    return torch._C._cuda_getDevice()
-
-
-def _get_stream(index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(index)
-
-
-if hasattr(torch._C, "_cuda_getDevice") and hasattr(torch._C, "_cuda_getCurrentRawStream"):
-    _get_device = torch._C._cuda_getDevice  # noqa: F811  (the C functions: no Python frame per call)
-    _get_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
+# The current device and raw stream of torch, as the C functions themselves (no Python frame per call);
+# absent from CPU-only builds of torch, where only the interpreter path (which never calls them) runs.
+_get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", lambda: 0)
+_get_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
 
 
 def _align(n: int) -> int:
@@ -311,7 +304,7 @@ class TritonWriter:
         # One extra word/counter (index `depth`) for validating a fast launcher.
         self._done_t = torch.zeros(depth + 1, dtype=torch.int32, pin_memory=self.is_gpu)
         self._done = self._done_t.numpy()
-        self._done_mv = memoryview(self._done)
+        self._done_mv = memoryview(self._done)  # type: ignore[arg-type]  # reads the pinned words directly
         self._counters = torch.zeros(depth + 1, dtype=torch.int32, device=device)
         if self.is_gpu:
             torch.cuda.synchronize(device)  # the zeroing must be complete whatever stream launches next
@@ -323,10 +316,10 @@ class TritonWriter:
         self._events: list = [None] * depth
         self._succ = [(i + 1) % depth for i in range(depth)]
         self._next = 0
-        self._descs: OrderedDict = OrderedDict()
+        self._descs: OrderedDict[tuple, _Descriptors] = OrderedDict()
         self._fire: dict = {}  # values numpy dtype -> bound fast launch, or None when it cannot be bound
         self._last_key: tuple | None = None
-        self._last_desc: _Descriptors | None = None
+        self._last_desc: _Descriptors = None  # type: ignore[assignment]  # set with _last_key
         self._kernel_guard = self.guard == "kernel"
         self._bw, self._bl, self._max_splits = params.block_w, params.block_l, params.max_splits
         self._bw1, self._bl1 = params.block_w - 1, params.block_l - 1
@@ -393,9 +386,8 @@ class TritonWriter:
             if key == self._last_key:
                 desc = self._last_desc
             else:
-                desc = self._descs.get(key)
-                if desc is None:
-                    desc = self._new_descriptors(key, tables, ks)
+                found = self._descs.get(key)
+                desc = self._new_descriptors(key, tables, ks) if found is None else found
                 self._last_key, self._last_desc = key, desc
             meta = batch.meta
             w = meta.shape[0]
