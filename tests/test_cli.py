@@ -12,6 +12,12 @@ from multiwrite.cli import main
 SMALL = "tests/data/small_trace.csv"
 
 
+@pytest.fixture(autouse=True)
+def _auto_selection(monkeypatch):
+    """These tests are about choosing a backend: a forced one (tox -e cuda) must not leak in."""
+    monkeypatch.delenv("MULTIWRITE_BACKEND", raising=False)
+
+
 def test_replay_small_trace_reports_zero_mismatches(capsys):
     code = main(
         [
@@ -51,7 +57,7 @@ def test_replay_detects_a_broken_backend(capsys, monkeypatch):
         real(self, batches)
 
     monkeypatch.setattr(torch_cpu.TorchCpuBackend, "apply", drop_last_batch_value)
-    code = main(["replay", "--trace", SMALL, "--concurrency", "2", "--steps", "30", "--no-progress"])
+    code = main(["replay", "--trace", SMALL, "--concurrency", "2", "--steps", "30", "--no-progress", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 1
     assert "result: FAILED" in out

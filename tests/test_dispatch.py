@@ -13,6 +13,12 @@ import multiwrite.dispatch as dispatch
 from multiwrite import Backend, BackendUnavailableError, FusedStagedWriter, StagedWriteTensor, hookimpl
 
 
+@pytest.fixture(autouse=True)
+def _auto_selection(monkeypatch):
+    """These tests are about choosing a backend: a forced one (tox -e cuda) must not leak in."""
+    monkeypatch.delenv("MULTIWRITE_BACKEND", raising=False)
+
+
 class RecordingBackend(Backend):
     """A CPU backend that records its calls and delegates to torch-cpu."""
 
