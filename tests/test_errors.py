@@ -28,8 +28,8 @@ from multiwrite import BlockTables, FusedStagedWriter, StagedWriteError, StagedW
         (torch.float32, 1, 0, ["x"], "not numbers"),
     ],
 )
-def test_stage_write_rejects_and_names_everything(dtype, row, start, values, fragment):
-    t = StagedWriteTensor((4, 8), dtype, "cpu", name="blocks")
+def test_stage_write_rejects_and_names_everything(backend, dtype, row, start, values, fragment):
+    t = StagedWriteTensor((4, 8), dtype, backend.device, name="blocks")
     t.stage_write(2, 1, [7, 8])
     with pytest.raises(StagedWriteError) as info:
         t.stage_write(row, start, values)
@@ -39,7 +39,7 @@ def test_stage_write_rejects_and_names_everything(dtype, row, start, values, fra
         assert part in message
     # nothing staged by the rejected write; the earlier one is intact and still lands
     assert t.num_staged_writes == 1
-    t.apply_write()
+    FusedStagedWriter(backend.device, backend.name).apply([t])
     assert t.tensor[2].tolist()[:3] == [0, 7, 8]
     assert int(t.tensor.abs().sum()) == 15
 
@@ -64,8 +64,8 @@ def test_expanded_ids_must_fit_int32():
     assert t.num_staged_writes == 0
 
 
-def tables() -> BlockTables:
-    return BlockTables([16, 32, 8], 4, [4, 4, 4], "cpu", kernel_block_sizes=[16, 16, 8])
+def tables(backend) -> BlockTables:
+    return BlockTables([16, 32, 8], 4, [4, 4, 4], backend.device, kernel_block_sizes=[16, 16, 8], backend=backend.name)
 
 
 @pytest.mark.parametrize(
@@ -83,8 +83,8 @@ def tables() -> BlockTables:
         (0, ([1, 2, 3, 4, 5], [], []), True, "end at column 5, past the row width 4"),
     ],
 )
-def test_append_block_ids_rejects_without_staging_anything(staging, req, ids, overwrite, fragment):
-    bt = tables()
+def test_append_block_ids_rejects_without_staging_anything(staging, backend, req, ids, overwrite, fragment):
+    bt = tables(backend)
     bt.append_block_ids(0, ([9], [8], [7]), overwrite=True)
     bt.apply_staged_writes()
     bt.append_block_ids(1, ([5], [6], []), overwrite=True)
@@ -110,36 +110,36 @@ def test_block_size_must_divide():
         BlockTables([16, 32], 2, [4, 4], "cpu", kernel_block_sizes=[16])
 
 
-def test_apply_on_another_device_writes_nothing_and_keeps_writes():
-    on_cpu = StagedWriteTensor((2, 4), torch.int32, "cpu", name="local")
+def test_apply_on_another_device_writes_nothing_and_keeps_writes(backend):
+    on_cpu = StagedWriteTensor((2, 4), torch.int32, backend.device, name="local")
     elsewhere = StagedWriteTensor((2, 4), torch.int32, "meta", name="remote")
     on_cpu.stage_write(0, 0, [1, 2])
     elsewhere.stage_write(1, 1, [3])
     with pytest.raises(
         StagedWriteError, match=r"remote \(shape \(2, 4\), int32\) is on meta.*1 staged writes stay staged"
     ):
-        FusedStagedWriter("cpu").apply([on_cpu, elsewhere])
+        FusedStagedWriter(backend.device, backend.name).apply([on_cpu, elsewhere])
     assert on_cpu.tensor.sum() == 0
     assert on_cpu.num_staged_writes == 1 and elsewhere.num_staged_writes == 1
-    FusedStagedWriter("cpu").apply([on_cpu])
+    FusedStagedWriter(backend.device, backend.name).apply([on_cpu])
     assert on_cpu.tensor[0].tolist() == [1, 2, 0, 0]
 
 
-def test_shrunk_table_is_caught_before_writing():
-    t = StagedWriteTensor((4, 4), torch.int32, name="shrinking")
+def test_shrunk_table_is_caught_before_writing(backend):
+    t = StagedWriteTensor((4, 4), torch.int32, backend.device, name="shrinking")
     t.stage_write(3, 0, [1])
     with pytest.raises(StagedWriteError, match="does not fit shape"):
-        t.tensor = torch.zeros(2, 4, dtype=torch.int32)
+        t.tensor = torch.zeros(2, 4, dtype=torch.int32, device=backend.device)
     with pytest.raises(StagedWriteError, match="replacement tensor must be 2-D int32"):
-        t.tensor = torch.zeros(4, 4, dtype=torch.int64)
+        t.tensor = torch.zeros(4, 4, dtype=torch.int64, device=backend.device)
     t.tensor.resize_(2, 4)  # in place, behind the library's back
     with pytest.raises(StagedWriteError, match="does not fit shape"):
-        t.apply_write()
+        FusedStagedWriter(backend.device, backend.name).apply([t])
     assert t.num_staged_writes == 1
 
 
-def test_clear_staged_writes_restores_num_blocks(staging):
-    bt = tables()
+def test_clear_staged_writes_restores_num_blocks(staging, backend):
+    bt = tables(backend)
     bt.append_block_ids(0, ([1], [2], [3]), overwrite=True)
     bt.apply_staged_writes()
     bt.append_block_ids(0, ([4], [], []), overwrite=False)
