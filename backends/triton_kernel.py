@@ -33,13 +33,13 @@ DO_NOT_SPECIALIZE = (
     "desc_addr", "meta_addr", "values_addr", "bounds_addr", "counter_addr", "done_addr",
     "token", "num_tables", "num_writes", "num_values", "num_rounds",
 )  # fmt: skip
-#: int64 columns of one descriptor row: base address, row stride, column stride (elements), rows, columns, k.
-DESC_COLUMNS = 6
+#: int64 columns of one descriptor row: base address, row stride, column stride (elements), rows, columns.
+DESC_COLUMNS = 5
 TL_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float32: tl.float32}
 
 
 def _write_kernel_fn(
-    desc_addr: tl.int64,  # device int64 [num_tables, 6] descriptors
+    desc_addr: tl.int64,  # device int64 [num_tables, 5] descriptors
     meta_addr: tl.int64,  # int32 [num_writes, 5] metadata rows (pinned host memory on a GPU)
     values_addr: tl.int64,  # [num_values] of VALUE_DTYPE (pinned host memory on a GPU)
     bounds_addr: tl.int64,  # int32 [num_rounds + 1] first write of each round (read only if num_rounds > 1)
@@ -54,8 +54,8 @@ def _write_kernel_fn(
     BLOCK_W: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    """Apply `num_writes` staged writes (one launch): write w sets `length * k` cells of its table's row
-    from column `start`, value `values[voff + pos // k] * k + pos % k` (just the value when k == 1).
+    """Apply `num_writes` staged writes (one launch): write w sets `length` cells of its table's row
+    from column `start` to `values[voff:voff + length]` (kernel block ids were expanded at staging).
 
     Every address is an int64 scalar: host slot addresses are UVA pointers to pinned memory. Cells
     outside a descriptor's rows/columns and values past `num_values` are masked off. Grid: (tiles of
@@ -87,28 +87,23 @@ def _write_kernel_fn(
             length = tl.load(m + 3, mask=live, other=0, cache_modifier=".cv")
             voff = tl.load(m + 4, mask=live, other=0, cache_modifier=".cv")
             live = live & (t >= 0) & (t < num_tables) & (row >= 0) & (start >= 0) & (length > 0)
-            d = desc + t.to(tl.int64) * 6
+            d = desc + t.to(tl.int64) * 5
             base = tl.load(d + 0, mask=live, other=0)
             row_stride = tl.load(d + 1, mask=live, other=0)
             col_stride = tl.load(d + 2, mask=live, other=0)
             rows = tl.load(d + 3, mask=live, other=0)
             cols = tl.load(d + 4, mask=live, other=0)
-            k = tl.maximum(tl.load(d + 5, mask=live, other=1), 1).to(tl.int32)
             live = live & (row.to(tl.int64) < rows)
-            cells = tl.where(live, length * k, 0)
+            cells = tl.where(live, length, 0)
             dst = base.to(tl.pointer_type(VALUE_DTYPE)) + row.to(tl.int64) * row_stride
             max_cells = tl.max(cells, axis=0)
             for c0 in range(pid_s * BLOCK_L, max_cells, n_s * BLOCK_L):
                 pos = c0 + lanes_l
                 col = start[:, None].to(tl.int64) + pos[None, :]
-                q = pos[None, :] // k[:, None]
-                vidx = voff[:, None] + q
+                vidx = voff[:, None] + pos[None, :]
                 keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
                 v = tl.load(values + vidx, mask=keep, other=0, cache_modifier=".cv")
-                j = (pos[None, :] - q * k[:, None]).to(VALUE_DTYPE)
-                expanded = v * k[:, None].to(VALUE_DTYPE) + j
-                out = tl.where(k[:, None] > 1, expanded, v)
-                tl.store(dst[:, None] + col * col_stride[:, None], out, mask=keep)
+                tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
         tl.debug_barrier()
     # Completion: the last program to finish (all the others' slot reads are done) resets the counter
     # and hands the slot back to the host.
@@ -229,10 +224,9 @@ class _Slot:
 
 
 class _Descriptors(NamedTuple):
-    tensor: torch.Tensor  #: int64 [num_tables, 6] on the device
+    tensor: torch.Tensor  #: int64 [num_tables, 5] on the device
     addr: int
     num_tables: int
-    kmax: int
 
 
 def _env_int(name: str, default: int) -> int:
@@ -326,12 +320,10 @@ class TritonWriter:
         self.launch_path = "interpreter" if INTERPRETED else "jit"
 
     # -- descriptors ------------------------------------------------------------------------------
-    def _new_descriptors(self, key: tuple, tables: Sequence[torch.Tensor], ks: Sequence[int]) -> _Descriptors:
-        rows = [
-            (t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1], int(k)) for t, k in zip(tables, ks)
-        ]
+    def _new_descriptors(self, key: tuple, tables: Sequence[torch.Tensor]) -> _Descriptors:
+        rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
         tensor = torch.tensor(rows, dtype=torch.int64).to(self.device)  # synchronous: complete on return
-        d = _Descriptors(tensor, tensor.data_ptr(), len(rows), max(int(k) for k in ks))
+        d = _Descriptors(tensor, tensor.data_ptr(), len(rows))
         self._descs[key] = d
         if len(self._descs) > self.DESCRIPTOR_CACHE_SIZE:
             # A kernel queued on any stream may still read the oldest entry: let it finish first (rare).
@@ -381,13 +373,12 @@ class TritonWriter:
             if not v:
                 continue  # only empty writes
             tables = batch.tables
-            ks = batch.kernel_blocks_per_block
-            key = (*ks, *map(_PTR, tables), *map(_SIZE, tables), *map(_STRIDE, tables))
+            key = (*map(_PTR, tables), *map(_SIZE, tables), *map(_STRIDE, tables))
             if key == self._last_key:
                 desc = self._last_desc
             else:
                 found = self._descs.get(key)
-                desc = self._new_descriptors(key, tables, ks) if found is None else found
+                desc = self._new_descriptors(key, tables) if found is None else found
                 self._last_key, self._last_desc = key, desc
             meta = batch.meta
             w = meta.shape[0]
@@ -410,7 +401,7 @@ class TritonWriter:
             else:
                 rounds = 1
                 grid0 = (w + self._bw1) // self._bw
-                grid1 = (v * desc.kmax + self._bl1) // self._bl  # column chunks of the longest write, at most
+                grid1 = (v + self._bl1) // self._bl  # column chunks of the longest write, at most
                 if grid1 > 1:
                     grid1 = max(1, min(grid1, self._max_splits, self._max_programs // grid0))
             slot.meta[:w] = meta

@@ -17,12 +17,10 @@ class WriteBatch:
     Attributes:
         tables: the target tables, 2-D tensors (possibly strided views) on the writer's device. A 1-D
             `StagedWriteTensor` arrives as a `[n, 1]` view.
-        kernel_blocks_per_block: per table, `k`: each value `v` of a write into that table fills the
-            `k` cells `v * k + j`, `j = 0..k-1` (1 for plain tables).
         meta: int32 `[num_writes, 5]`, one row per write in staging order, columns `META_TABLE`,
-            `META_ROW`, `META_START`, `META_LENGTH` (values, before expansion), `META_VALUE_OFFSET`.
+            `META_ROW`, `META_START`, `META_LENGTH` (values = cells written), `META_VALUE_OFFSET`.
         values: `[num_values]` numpy array of the tables' dtype; write `w` reads
-            `values[offset:offset + length]`.
+            `values[offset:offset + length]`, as they are: kernel block ids were expanded when staged.
         may_overlap: false guarantees that no two writes touch the same row of the same table, so they
             can be applied in any order; when true, later writes must win where they overlap.
         values_in_order: true guarantees that each write's values start where the previous write's end
@@ -33,19 +31,17 @@ class WriteBatch:
     may be views of the staging buffers: they are valid only until `Backend.apply` returns.
     """
 
-    __slots__ = ("tables", "kernel_blocks_per_block", "meta", "values", "may_overlap", "values_in_order")
+    __slots__ = ("tables", "meta", "values", "may_overlap", "values_in_order")
 
     def __init__(
         self,
         tables: Sequence[torch.Tensor],
-        kernel_blocks_per_block: Sequence[int],
         meta: np.ndarray,
         values: np.ndarray,
         may_overlap: bool,
         values_in_order: bool = False,
     ):
         self.tables = tables
-        self.kernel_blocks_per_block = kernel_blocks_per_block
         self.meta = meta
         self.values = values
         self.may_overlap = may_overlap

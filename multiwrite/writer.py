@@ -41,7 +41,7 @@ class FusedStagedWriter:
             self.backend = backend
         else:
             self.backend = select_backend(self.device, backend)
-        # (tensors, len, arena, layout_version, tables, ks) of the last apply, for the repeat fast path
+        # (tensors, len, arena, layout_version, tables) of the last apply, for the repeat fast path
         self._fast: tuple | None = None
 
     @classmethod
@@ -72,7 +72,7 @@ class FusedStagedWriter:
             if arena.num_writes:
                 w, v = arena.num_writes, arena.num_values
                 meta, values = arena.meta[:w], arena.values[:v]
-                self.backend.apply([WriteBatch(fast[4], fast[5], meta, values, arena.may_overlap, True)])
+                self.backend.apply([WriteBatch(fast[4], meta, values, arena.may_overlap, True)])
                 arena.clear()
             return
         groups: dict[int, tuple[StagingArena, list[int]]] = {}
@@ -115,7 +115,6 @@ class FusedStagedWriter:
                     arena,
                     arena.layout_version,
                     [t._table for t in targets],
-                    [1] * len(targets),
                 )
 
     def __repr__(self) -> str:
@@ -128,7 +127,7 @@ def _arena_batch(arena: StagingArena, indices: list[int]) -> WriteBatch:
     meta = arena.meta[: arena.num_writes]
     values = arena.values[: arena.num_values]
     if len(indices) == len(targets) and indices == list(range(len(targets))):
-        return WriteBatch([t._table for t in targets], [1] * len(targets), meta, values, arena.may_overlap, True)
+        return WriteBatch([t._table for t in targets], meta, values, arena.may_overlap, True)
     remap = np.full(len(targets), -1, dtype=np.int32)
     remap[np.asarray(indices)] = np.arange(len(indices), dtype=np.int32)
     new_table = remap[meta[:, META_TABLE]]
@@ -136,7 +135,6 @@ def _arena_batch(arena: StagingArena, indices: list[int]) -> WriteBatch:
     sub[:, META_TABLE] = new_table[new_table >= 0]
     return WriteBatch(
         [targets[i]._table for i in indices],
-        [1] * len(indices),
         sub,
         values,
         arena.may_overlap,
@@ -157,7 +155,6 @@ def _merge(parts: list[WriteBatch]) -> WriteBatch:
         value_base += p.values.shape[0]
     return WriteBatch(
         [t for p in parts for t in p.tables],
-        [k for p in parts for k in p.kernel_blocks_per_block],
         np.concatenate(metas),
         np.concatenate(values),
         any(p.may_overlap for p in parts),

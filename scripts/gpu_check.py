@@ -514,7 +514,7 @@ def _capture_batch(device, c: int, bs, kbs):
 def _own_batch(b):
     from multiwrite.backend import WriteBatch
 
-    return WriteBatch(b.tables, list(b.kernel_blocks_per_block), b.meta.copy(), b.values.copy(), b.may_overlap)
+    return WriteBatch(b.tables, b.meta.copy(), b.values.copy(), b.may_overlap, b.values_in_order)
 
 
 def _backend_only(device, n: int) -> dict:

@@ -173,7 +173,7 @@ def _recorded_launches(n_shapes: int = 100, seed: int = 0) -> list[tuple[torch.d
         values = rng.integers(0, 2**20, int(lengths.sum())).astype(SUPPORTED_DTYPES[dtype])
         if not values.shape[0]:
             values = np.ones(1, dtype=values.dtype)
-        batch = WriteBatch(tables[dtype], [1 + i % 3, 1], meta, values, may_overlap=bool(i % 4))
+        batch = WriteBatch(tables[dtype], meta, values, may_overlap=bool(i % 4))
         writer.apply([batch])
     return launches
 
