@@ -12,9 +12,11 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from multiwrite import Backend, WriteBatch, hookimpl
+from multiwrite.staging import StagingBuffers
 
 #: Oldest Triton whose APIs the kernel and launcher use (int64 -> pointer casts, atomic sem/scope, the
 #: `CompiledKernel.run(grid..., stream, function, metadata, hooks..., *args)` launcher signature).
@@ -135,6 +137,10 @@ class _TritonBackend(Backend):
     def launch_path(self) -> str:
         """How the writers launch (`TritonWriter.launch_path`), per device; "" before the first apply."""
         return "; ".join(f"{d}: {w.launch_path}" for d, w in self._writers.items())
+
+    def staging_buffers(self, device: torch.device, np_dtype: type[np.generic]) -> StagingBuffers | None:
+        """A pinned ring per arena that the kernel reads in place (UVA); on CPU (interpreter), plain memory."""
+        return self.writer(device).lend(np_dtype)
 
     def apply(self, batches: Sequence[WriteBatch]) -> None:
         """One launch per batch on the current stream of the tables' device; see `Backend.apply`."""

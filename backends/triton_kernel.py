@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from multiwrite.backend import WriteBatch
-from multiwrite.staging import META_COLUMNS, META_ROW, META_TABLE
+from multiwrite.staging import META_COLUMNS, META_ROW, META_TABLE, StagingBuffers
 
 #: Kernel parameters that vary per apply; none may become a specialization key (no recompiles).
 DO_NOT_SPECIALIZE = (
@@ -234,6 +234,135 @@ def _env_int(name: str, default: int) -> int:
     return default if raw in (None, "") else int(raw)
 
 
+def _value_units(count: int, itemsize: int) -> int:
+    """8-byte slot units that hold `count` values of `itemsize` bytes."""
+    return -(-count * itemsize // 8)
+
+
+class _Ring:
+    """`depth` slots of host memory (pinned on a GPU) that kernels read in place, each with its guard.
+
+    A slot is handed out by `take` only once the kernel that last read it has finished: the kernel's last
+    program stores the launch's token into the slot's pinned `done` word (`guard="kernel"`, no driver
+    call), or a CUDA event recorded after the launch has completed (`guard="event"`). Words past `depth`
+    (`extra_words`) are for validation launches.
+    """
+
+    def __init__(self, owner: TritonWriter, depth: int, extra_words: int = 0):
+        self.owner = owner
+        self.depth = depth
+        n = depth + extra_words
+        self.done_t = torch.zeros(n, dtype=torch.int32, pin_memory=owner.is_gpu)
+        self.done = self.done_t.numpy()
+        self.done_mv = memoryview(self.done)  # type: ignore[arg-type]  # reads the pinned words directly
+        self.counters = torch.zeros(n, dtype=torch.int32, device=owner.device)
+        if owner.is_gpu:
+            torch.cuda.synchronize(owner.device)  # the zeroing must be complete whatever stream launches next
+        done0, cnt0 = self.done_t.data_ptr(), self.counters.data_ptr()
+        self.done_addr = [done0 + 4 * i for i in range(n)]
+        self.counter_addr = [cnt0 + 4 * i for i in range(n)]
+        self.slots = [_Slot(64, 1024, owner.is_gpu) for _ in range(depth)]
+        self.tokens = [0] * depth
+        self.events: list = [None] * depth
+        self.succ = [(i + 1) % depth for i in range(depth)]
+        self.next = 0
+
+    def take(self, w: int, units: int) -> int:
+        """The next slot, once free, with room for `w` writes and `units` 8-byte values."""
+        i = self.next
+        self.next = self.succ[i]
+        if self.owner._kernel_guard:
+            if self.done_mv[i] != self.tokens[i]:
+                self.wait(i)
+        elif self.events[i] is not None and not self.events[i].query():
+            self.wait(i)
+        slot = self.slots[i]
+        if w > slot.wcap or units > slot.vcap:
+            self.grow(i, w, units)
+        return i
+
+    def wait(self, i: int) -> None:
+        """Block until the kernel that last read slot `i` has finished (polling, then a device sync)."""
+        owner = self.owner
+        owner.waits += 1
+        if not owner._kernel_guard:
+            self.events[i].synchronize()
+            return
+        done, token = self.done_mv, self.tokens[i]
+        if not owner.is_gpu:  # the interpreter finished the kernel before the launch returned
+            done[i] = token
+            return
+        deadline = time.perf_counter() + owner.wait_timeout_s
+        pause = 0.0
+        while done[i] != token:
+            if time.perf_counter() > deadline:
+                torch.cuda.synchronize(owner.device)
+                if done[i] != token:  # the kernel never ran (a failed launch): nothing reads the slot
+                    done[i] = token
+                break
+            time.sleep(pause)
+            pause = min(pause * 2 or 2e-6, 1e-3)
+
+    def grow(self, i: int, w: int, units: int) -> _Slot:
+        """Replace free slot `i` by a larger one (geometric growth; a pinned allocation, rare)."""
+        old = self.slots[i]
+        slot = _Slot(max(w, 2 * old.wcap), max(units, 2 * old.vcap), self.owner.is_gpu)
+        self.slots[i] = slot
+        return slot
+
+    def next_token(self, i: int) -> int:
+        """The token the next launch reading slot `i` stores when done."""
+        token = self.tokens[i] % 0x7FFFFFFF + 1
+        self.tokens[i] = token
+        return token
+
+    def idle(self) -> bool:
+        """True when no launched kernel may still read any slot."""
+        if self.owner._kernel_guard:
+            return all(self.done_mv[i] == t for i, t in enumerate(self.tokens))
+        return all(ev is None or ev.query() for ev in self.events)
+
+    def launched(self, i: int) -> None:
+        """Record the completion event of the launch that just read slot `i` (event guard only)."""
+        if not self.owner._kernel_guard:
+            ev = self.events[i]
+            if ev is None:
+                ev = self.events[i] = torch.cuda.Event()
+            index = self.owner._index
+            if index == _get_device():
+                ev.record()  # on the current stream, like the launch
+            else:
+                ev.record(torch.cuda.current_stream(self.owner.device))
+
+
+class _LentRing(StagingBuffers):
+    """A ring whose slots a `StagingArena` stages into directly, so an apply launches on them in place:
+    no copy on the host, none to the device. One per arena (its own slots and done words)."""
+
+    def __init__(self, owner: TritonWriter, np_dtype: type[np.generic]):
+        self.owner = owner
+        self.ring = _Ring(owner, owner.depth)
+        self.np_dtype = np.dtype(np_dtype)
+        self.current = 0  # the slot the arena stages into
+
+    def _lend(self, slot: _Slot) -> tuple[np.ndarray, np.ndarray, int, int]:
+        return slot.meta, slot.views[self.np_dtype], slot.meta_addr, slot.values_addr
+
+    def acquire(self, write_capacity: int, value_capacity: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """The next free slot of the ring, big enough; see `StagingBuffers.acquire`."""
+        self.current = i = self.ring.take(write_capacity, _value_units(value_capacity, self.np_dtype.itemsize))
+        return self._lend(self.ring.slots[i])
+
+    def grow(self, write_capacity: int, value_capacity: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """A larger slot in place of the current one (not launched yet); see `StagingBuffers.grow`."""
+        units = _value_units(value_capacity, self.np_dtype.itemsize)
+        return self._lend(self.ring.grow(self.current, write_capacity, units))
+
+    def release(self) -> None:
+        """The arena is gone: its pinned slots are freed once no launched kernel reads them."""
+        self.owner._retiring.append(self.ring)
+
+
 class TritonWriter:
     """Applies `WriteBatch`es to the tables of one device with one kernel launch per batch.
 
@@ -295,26 +424,13 @@ class TritonWriter:
             self._max_programs = 8 * sms  # enough programs in flight to keep UVA reads going
         else:
             self._max_programs = 8  # the interpreter runs programs one after the other
-        # One extra word/counter (index `depth`) for validating a fast launcher.
-        self._done_t = torch.zeros(depth + 1, dtype=torch.int32, pin_memory=self.is_gpu)
-        self._done = self._done_t.numpy()
-        self._done_mv = memoryview(self._done)  # type: ignore[arg-type]  # reads the pinned words directly
-        self._counters = torch.zeros(depth + 1, dtype=torch.int32, device=device)
-        if self.is_gpu:
-            torch.cuda.synchronize(device)  # the zeroing must be complete whatever stream launches next
-        done0, cnt0 = self._done_t.data_ptr(), self._counters.data_ptr()
-        self._done_addr = [done0 + 4 * i for i in range(depth + 1)]
-        self._counter_addr = [cnt0 + 4 * i for i in range(depth + 1)]
-        self._slots = [_Slot(64, 1024, self.is_gpu) for _ in range(depth)]
-        self._tokens = [0] * depth
-        self._events: list = [None] * depth
-        self._succ = [(i + 1) % depth for i in range(depth)]
-        self._next = 0
+        self._kernel_guard = self.guard == "kernel"
+        self._ring = _Ring(self, depth, extra_words=1)  # for batches that arrive as plain arrays
+        self._retiring: list[_Ring] = []  # rings of dead arenas, kept alive while kernels may read them
         self._descs: OrderedDict[tuple, _Descriptors] = OrderedDict()
         self._fire: dict = {}  # values numpy dtype -> bound fast launch, or None when it cannot be bound
         self._last_key: tuple | None = None
         self._last_desc: _Descriptors = None  # type: ignore[assignment]  # set with _last_key
-        self._kernel_guard = self.guard == "kernel"
         self._bw, self._bl, self._max_splits = params.block_w, params.block_l, params.max_splits
         self._bw1, self._bl1 = params.block_w - 1, params.block_l - 1
         self.launch_path = "interpreter" if INTERPRETED else "jit"
@@ -332,40 +448,19 @@ class TritonWriter:
             self._descs.popitem(last=False)
         return d
 
-    # -- ring -------------------------------------------------------------------------------------
-    def _wait(self, i: int) -> None:
-        """Block until the kernel that last read slot `i` has finished (polling, then a device sync)."""
-        self.waits += 1
-        if self.guard == "event":
-            self._events[i].synchronize()
-            return
-        done, token = self._done_mv, self._tokens[i]
-        if not self.is_gpu:  # the interpreter finished the kernel before the launch returned
-            done[i] = token
-            return
-        deadline = time.perf_counter() + self.wait_timeout_s
-        pause = 0.0
-        while done[i] != token:
-            if time.perf_counter() > deadline:
-                torch.cuda.synchronize(self.device)
-                if done[i] != token:  # the kernel never ran (a failed launch): nothing reads the slot
-                    done[i] = token
-                break
-            time.sleep(pause)
-            pause = min(pause * 2 or 2e-6, 1e-3)
-
-    def _grow(self, i: int, w: int, v: int) -> _Slot:
-        old = self._slots[i]
-        slot = _Slot(max(w, 2 * old.wcap), max(v, 2 * old.vcap), self.is_gpu)
-        self._slots[i] = slot
-        return slot
+    # -- staging buffers ---------------------------------------------------------------------------
+    def lend(self, np_dtype: type[np.generic]) -> _LentRing:
+        """Staging buffers for one arena: a ring of its own whose slots it stages into in place."""
+        self._retiring = [ring for ring in self._retiring if not ring.idle()]
+        return _LentRing(self, np_dtype)
 
     # -- apply ------------------------------------------------------------------------------------
     def apply(self, batches: Sequence[WriteBatch]) -> None:
         """One kernel launch per batch with values, on the current stream of `device`; no host sync.
 
-        Per batch: a descriptor-cache lookup keyed by every table's (data_ptr, shape, strides) and k, the
-        slot guard (a read of a pinned word), two memcpys into the slot and the launch.
+        Per batch: a descriptor-cache lookup keyed by every table's (data_ptr, shape, strides), then the
+        launch. A batch staged in one of this writer's lent rings (`batch.buffers`) is read in place; any
+        other takes a free slot of the writer's own ring (a read of a pinned word) and two memcpys.
         """
         for batch in batches:
             values = batch.values
@@ -382,35 +477,34 @@ class TritonWriter:
                 self._last_key, self._last_desc = key, desc
             meta = batch.meta
             w = meta.shape[0]
-            i = self._next
-            self._next = self._succ[i]
-            token = self._tokens[i]
-            if self._kernel_guard:
-                if self._done_mv[i] != token:
-                    self._wait(i)
-            elif self._events[i] is not None and not self._events[i].query():
-                self._wait(i)
-            slot = self._slots[i]
-            if w > slot.wcap or v > slot.vcap:
-                slot = self._grow(i, w, v)
-            if batch.may_overlap:
-                meta, bounds = overlap_rounds(meta)
-                rounds = bounds.shape[0] - 1
-                slot.bounds[: rounds + 1] = bounds
+            lent = batch.buffers
+            if lent.__class__ is _LentRing and lent.owner is self and not batch.may_overlap:  # type: ignore[union-attr]
+                ring, i = lent.ring, lent.current  # type: ignore[union-attr]  # staged in place: no copy
+                slot = ring.slots[i]
+                rounds = 1
+            else:
+                ring = self._ring
+                i = ring.take(w, v)
+                slot = ring.slots[i]
+                if batch.may_overlap:
+                    meta, bounds = overlap_rounds(meta)
+                    rounds = bounds.shape[0] - 1
+                    slot.bounds[: rounds + 1] = bounds
+                else:
+                    rounds = 1
+                slot.meta[:w] = meta
+                slot.views[values.dtype][:v] = values
+            if rounds > 1:
                 grid0 = grid1 = 1
             else:
-                rounds = 1
                 grid0 = (w + self._bw1) // self._bw
                 grid1 = (v + self._bl1) // self._bl  # column chunks of the longest write, at most
                 if grid1 > 1:
                     grid1 = max(1, min(grid1, self._max_splits, self._max_programs // grid0))
-            slot.meta[:w] = meta
-            slot.views[values.dtype][:v] = values
-            token = token % 0x7FFFFFFF + 1
-            self._tokens[i] = token
+            token = ring.next_token(i)
             args = (
-                desc.addr, slot.meta_addr, slot.values_addr, slot.bounds_addr, self._counter_addr[i],
-                self._done_addr[i], token, desc.num_tables, w, v, rounds,
+                desc.addr, slot.meta_addr, slot.values_addr, slot.bounds_addr, ring.counter_addr[i],
+                ring.done_addr[i], token, desc.num_tables, w, v, rounds,
             )  # fmt: skip
             fire = self._fire.get(values.dtype)
             try:
@@ -422,16 +516,9 @@ class TritonWriter:
                     with torch.cuda.device(self._index):
                         fire(grid0, grid1, _get_stream(self._index), args)
             except BaseException:
-                self._done_mv[i] = token  # nothing was launched: the slot is free
+                ring.done_mv[i] = token  # nothing was launched: the slot is free
                 raise
-            if not self._kernel_guard:
-                ev = self._events[i]
-                if ev is None:
-                    ev = self._events[i] = torch.cuda.Event()
-                if self._index == _get_device():
-                    ev.record()  # on the current stream, like the launch
-                else:
-                    ev.record(torch.cuda.current_stream(self.device))
+            ring.launched(i)
 
     def _launch_jit(self, dtype: torch.dtype, np_dtype: np.dtype, grid0: int, grid1: int, args: tuple) -> None:
         """Launch through Triton's JIT (`kernel[grid](...)`); on a GPU, then try to bind a fast launcher."""
@@ -505,11 +592,11 @@ class TritonWriter:
 
     def _validate(self, fire) -> None:
         """One no-op launch through `fire`: it must complete and store its token (one sync, once)."""
-        i = self.depth
-        token = int(self._done[i]) % 0x7FFFFFFF + 1
-        args = (0, 0, 0, 0, self._counter_addr[i], self._done_addr[i], token, 0, 0, 0, 1)
+        ring, i = self._ring, self.depth
+        token = int(ring.done[i]) % 0x7FFFFFFF + 1
+        args = (0, 0, 0, 0, ring.counter_addr[i], ring.done_addr[i], token, 0, 0, 0, 1)
         with torch.cuda.device(self._index):
             fire(1, 1, torch._C._cuda_getCurrentRawStream(self._index), args)
             torch.cuda.current_stream(self.device).synchronize()
-        if int(self._done[i]) != token:
-            raise RuntimeError(f"validation launch did not complete (done word {int(self._done[i])} != {token})")
+        if int(ring.done[i]) != token:
+            raise RuntimeError(f"validation launch did not complete (done word {int(ring.done[i])} != {token})")

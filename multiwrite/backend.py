@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from multiwrite.staging import SUPPORTED_DTYPES, dtype_name
+from multiwrite.staging import SUPPORTED_DTYPES, StagingBuffers, dtype_name
 
 
 class WriteBatch:
@@ -26,12 +26,16 @@ class WriteBatch:
         values_in_order: true guarantees that each write's values start where the previous write's end
             (`META_VALUE_OFFSET` is the running sum of `META_LENGTH`, from 0), so `values` is every cell's
             value in staging order.
+        buffers: the `StagingBuffers` that lent `meta` and `values` (from this backend's
+            `staging_buffers`, or another's), or None for plain numpy arrays. A backend that recognizes
+            its own lender may read them in place instead of copying; the arena takes fresh arrays from
+            the lender after the apply.
 
     Every write was validated against its table's shape and dtype when staged. `meta` and `values`
     may be views of the staging buffers: they are valid only until `Backend.apply` returns.
     """
 
-    __slots__ = ("tables", "meta", "values", "may_overlap", "values_in_order")
+    __slots__ = ("tables", "meta", "values", "may_overlap", "values_in_order", "buffers")
 
     def __init__(
         self,
@@ -40,12 +44,14 @@ class WriteBatch:
         values: np.ndarray,
         may_overlap: bool,
         values_in_order: bool = False,
+        buffers: StagingBuffers | None = None,
     ):
         self.tables = tables
         self.meta = meta
         self.values = values
         self.may_overlap = may_overlap
         self.values_in_order = values_in_order
+        self.buffers = buffers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -100,6 +106,11 @@ class Backend:
                 allowed = ", ".join(sorted(dtype_name(d) for d in self.SUPPORTED_DTYPES))
                 reasons.append(f"dtype={dtype_name(dtype)} (supported: {allowed})")
         return reasons
+
+    def staging_buffers(self, device: torch.device, np_dtype: type[np.generic]) -> StagingBuffers | None:
+        """Arrays for staging `np_dtype` values that this backend's kernels read in place on `device`, or
+        None (the default) to stage into plain numpy arrays and consume them by copying."""
+        return None
 
     def apply(self, batches: Sequence[WriteBatch]) -> None:
         """Apply every batch (one per dtype), each write in staging order where writes overlap.

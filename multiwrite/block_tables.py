@@ -116,7 +116,10 @@ class BlockTables:
         self._context = np.zeros(7 + 3 * num_groups, dtype=np.int64)
         self._context[6] = num_groups
         self._context[7:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
+        self._context[4] = self.num_blocks.ctypes.data
+        self._context[5] = self.max_num_reqs
         self._context_addr = self._context.ctypes.data
+        self._context_view = self._context.data  # int64 stores without numpy scalar overhead
         self._refresh_context()
 
     @property
@@ -178,12 +181,12 @@ class BlockTables:
         self._append_block_ids_python(req_index, new_block_ids, overwrite)
 
     def _refresh_context(self) -> None:
-        """Point the compiled path at the arena's current arrays (after any reallocation)."""
-        arena, ctx = self._arena, self._context
-        ctx[:6] = (
-            arena.meta.ctypes.data, arena.meta.shape[0], arena.values.ctypes.data, arena.values.shape[0],
-            self.num_blocks.ctypes.data, self.max_num_reqs,
-        )  # fmt: skip
+        """Point the compiled path at the arena's current arrays (after any reallocation or rotation)."""
+        arena, ctx = self._arena, self._context_view
+        ctx[0] = arena.meta_addr
+        ctx[1] = arena.meta.shape[0]
+        ctx[2] = arena.values_addr
+        ctx[3] = arena.values.shape[0]
         self._context_generation = arena.generation
 
     def _append_block_ids_python(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:

@@ -51,6 +51,29 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
         raise StagedWriteError(f"{what}: dtype={dtype} (supported: {allowed})")
 
 
+class StagingBuffers:
+    """Lends a `StagingArena` the arrays it stages into: memory a backend's kernels read in place.
+
+    A GPU backend returns one from `Backend.staging_buffers` (pinned host memory that its kernel reads
+    through unified virtual addressing), so an apply hands the staged writes over without a copy. The
+    arena then asks for fresh arrays (`acquire`) before staging again; the lender must not return
+    memory that a launched kernel may still read. The default, no lender, keeps plain numpy arrays.
+    """
+
+    def acquire(self, write_capacity: int, value_capacity: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Arrays nothing reads now: (meta int32 `[>= write_capacity, 5]`, values `[>= value_capacity]`,
+        meta address, values address). Called after every apply that consumed the previous ones."""
+        raise NotImplementedError
+
+    def grow(self, write_capacity: int, value_capacity: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Larger arrays replacing the ones lent last (not yet applied), same tuple as `acquire`. The
+        arena copies what it staged so far into them."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """The arena is being destroyed: memory lent to it may be freed once no kernel reads it."""
+
+
 class StagingArena:
     """Staged writes of one or more tables of one dtype, in staging order, in growable numpy arrays.
 
@@ -77,6 +100,9 @@ class StagingArena:
         "may_overlap",
         "layout_version",
         "generation",
+        "lender",
+        "meta_addr",
+        "values_addr",
     )
 
     #: `pack_meta(meta_bytes, write_index * 20, table, row, start, length, value_offset)` stores one
@@ -96,6 +122,9 @@ class StagingArena:
         self.may_overlap = False
         self.layout_version = 0  # bumped whenever a table is added or replaced
         self.generation = 0  # bumped whenever `meta` or `values` is reallocated
+        self.lender: StagingBuffers | None = None
+        self.meta_addr = self.meta.ctypes.data
+        self.values_addr = self.values.ctypes.data
 
     def add_target(self, target: StagedWriteTensor) -> int:
         """Register a table that stages here; returns its table index in this arena's metadata."""
@@ -107,18 +136,45 @@ class StagingArena:
 
     def reserve(self, writes: int, values: int) -> None:
         """Make room for `writes` more writes and `values` more values (geometric growth)."""
-        if self.num_writes + writes > self.meta.shape[0]:
-            grown = np.zeros((max(self.num_writes + writes, 2 * self.meta.shape[0]), META_COLUMNS), np.int32)
-            grown[: self.meta.shape[0]] = self.meta
-            self.meta = grown
-            self.meta_bytes = grown.data.cast("B")
-            self.generation += 1
-        if self.num_values + values > self.values.shape[0]:
-            grown_v = np.zeros(max(self.num_values + values, 2 * self.values.shape[0]), dtype=self.np_dtype)
-            grown_v[: self.values.shape[0]] = self.values  # uncommitted tail values too
-            self.values = grown_v
-            self.values_flat = grown_v.data
-            self.generation += 1
+        w_cap, v_cap = self.meta.shape[0], self.values.shape[0]
+        if self.num_writes + writes <= w_cap and self.num_values + values <= v_cap:
+            return
+        if self.num_writes + writes > w_cap:
+            w_cap = max(self.num_writes + writes, 2 * w_cap)
+        if self.num_values + values > v_cap:
+            v_cap = max(self.num_values + values, 2 * v_cap)
+        old_meta, old_values = self.meta, self.values
+        if self.lender is None:
+            meta = np.zeros((w_cap, META_COLUMNS), np.int32)
+            vals = np.zeros(v_cap, dtype=self.np_dtype)
+            self._use(meta, vals, meta.ctypes.data, vals.ctypes.data)
+        else:
+            self._use(*self.lender.grow(w_cap, v_cap))
+        self.meta[: old_meta.shape[0]] = old_meta
+        self.values[: old_values.shape[0]] = old_values  # uncommitted tail values too
+
+    def _use(self, meta: np.ndarray, values: np.ndarray, meta_addr: int, values_addr: int) -> None:
+        self.meta, self.values = meta, values
+        self.meta_bytes = meta.data.cast("B")
+        self.values_flat = values.data
+        self.meta_addr, self.values_addr = meta_addr, values_addr
+        self.generation += 1
+
+    def __del__(self) -> None:
+        lender = getattr(self, "lender", None)
+        if lender is not None:
+            lender.release()
+
+    def attach(self, lender: StagingBuffers) -> None:
+        """Stage into `lender`'s arrays from now on (the arena must be empty)."""
+        assert self.num_writes == 0, "attach a lender to an empty arena"
+        self.lender = lender
+        self.rotate()
+
+    def rotate(self) -> None:
+        """After an apply consumed every staged write: take fresh arrays from the lender (if any)."""
+        if self.lender is not None:
+            self._use(*self.lender.acquire(self.meta.shape[0], self.values.shape[0]))
 
     def push(self, table: int, row: int, start: int, values: Any, length: int) -> None:
         """Append one write whose row, start and length were validated. `values` is a list, tuple or

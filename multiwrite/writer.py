@@ -70,10 +70,10 @@ class FusedStagedWriter:
             # check below already passed for these tables; hand the staging buffers over as they are.
             arena = fast[2]
             if arena.num_writes:
-                w, v = arena.num_writes, arena.num_values
-                meta, values = arena.meta[:w], arena.values[:v]
-                self.backend.apply([WriteBatch(fast[4], meta, values, arena.may_overlap, True)])
+                meta, values = arena.meta[: arena.num_writes], arena.values[: arena.num_values]
+                self.backend.apply([WriteBatch(fast[4], meta, values, arena.may_overlap, True, arena.lender)])
                 arena.clear()
+                arena.rotate()
             return
         groups: dict[int, tuple[StagingArena, list[int]]] = {}
         for t in tensors:
@@ -108,6 +108,10 @@ class FusedStagedWriter:
         if len(groups) == 1:
             arena, indices = next(iter(groups.values()))
             if indices == list(range(len(arena.targets))):
+                if arena.lender is None and arena.num_writes == 0:
+                    lender = self.backend.staging_buffers(self.device, arena.np_dtype)
+                    if lender is not None:
+                        arena.attach(lender)
                 targets = arena.targets
                 self._fast = (
                     tensors,

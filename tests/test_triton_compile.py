@@ -157,7 +157,8 @@ def _recorded_launches(n_shapes: int = 100, seed: int = 0) -> list[tuple[torch.d
 
     def record(dtype, grid0, grid1, args):
         launches.append((dtype, args))
-        writer._done[writer._done_addr.index(args[5])] = args[6]  # as the kernel would: the slot is free
+        ring = writer._ring
+        ring.done[ring.done_addr.index(args[5])] = args[6]  # as the kernel would: the slot is free
 
     writer._launch_jit = lambda dtype, np_dtype, g0, g1, args: record(dtype, g0, g1, args)
     tables = {d: [torch.zeros(64, 4096, dtype=d), torch.zeros(3, 64, dtype=d).t()] for d in DTYPES}
