@@ -47,7 +47,8 @@ class BlockTables:
         num_blocks: host int32 numpy array `[num_groups, max_num_reqs]`: kernel blocks held per request
             and group, updated at staging time.
         num_blocks_device: int32 tensor `[num_groups, max_num_reqs]` on `device`: `num_blocks` as of the
-            last `apply_staged_writes()` (it travels in the same backend call as the tables).
+            last `apply_staged_writes()` (on a GPU it travels in the same kernel launch as the tables, as
+            one more write; on CPU it is copied once per apply).
 
     Raises:
         StagedWriteError: list lengths that differ from the number of groups, a block size not divisible
@@ -106,6 +107,9 @@ class BlockTables:
         self._num_blocks_flat = self.num_blocks.reshape(-1)
         self._num_blocks_view = self.num_blocks.data
         self._num_blocks_dirty = False
+        self._num_blocks_host_view = (
+            self.num_blocks_device.numpy() if self.num_blocks_device.device.type == "cpu" else None
+        )
         self._all = [*self.block_tables, self._num_blocks_staged]
         self._writer = FusedStagedWriter(self.block_tables[0].device, backend)
         self._widths = widths
@@ -306,10 +310,17 @@ class BlockTables:
 
         On a GPU this enqueues one kernel launch on the current stream and returns without waiting.
         """
-        if self._num_blocks_dirty:
-            self._arena.push(len(self._groups), 0, 0, self._num_blocks_flat, self._num_blocks_flat.shape[0])
-            self._num_blocks_dirty = False
-        self._writer.apply(self._all)
+        if self._num_blocks_host_view is not None:
+            # CPU tables: the device copy is host memory too, and one memcpy beats a scatter of it.
+            self._writer.apply(self._all)
+            if self._num_blocks_dirty:
+                np.copyto(self._num_blocks_host_view, self.num_blocks)
+                self._num_blocks_dirty = False
+        else:
+            if self._num_blocks_dirty:
+                self._arena.push(len(self._groups), 0, 0, self._num_blocks_flat, self._num_blocks_flat.shape[0])
+                self._num_blocks_dirty = False
+            self._writer.apply(self._all)
         np.copyto(self._applied_num_blocks, self.num_blocks)
 
     def clear_staged_writes(self) -> None:
