@@ -8,8 +8,9 @@
  * is committed, and on any doubt it returns a status so that the pure-Python path (which raises the
  * precise StagedWriteError) takes over.
  *
- * The arena's arrays are passed as raw addresses inside an int64 context array owned by BlockTables
- * (see block_tables.py, `_context`); Python refreshes it whenever an array is reallocated.
+ * The arena's arrays are reached through raw addresses in an int64 context array owned by BlockTables
+ * (see block_tables.py, `_context`), refreshed through `_refresh_context` whenever the arena's
+ * `generation` says its arrays moved (growth, or a new slot lent by a GPU backend after an apply).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,39 +24,27 @@ enum {
     CTX_NUM_BLOCKS = 4, /* int32 [num_groups, max_num_reqs] */
     CTX_MAX_REQS = 5,
     CTX_GROUPS = 6,
-    CTX_GROUP0 = 7, /* per group: k, width, max_id */
+    CTX_GENERATION = 7, /* the arena's `generation` the addresses above belong to */
+    CTX_GROUP0 = 8,     /* per group: k, width, max_id */
 };
 
 #define STATUS_GROW 1     /* not enough room in the arena: grow it and call again */
 #define STATUS_FALLBACK 2 /* invalid or unusual input: let the Python path handle it */
 
-/* stage_block_ids(ctx_addr, num_writes, num_values, rows_seen, req, new_block_ids, overwrite)
- *   -> (num_writes, num_values, overlapped) or an int status. */
-static PyObject *stage_block_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "stage_block_ids takes 7 arguments");
-        return NULL;
-    }
-    const int64_t *ctx = (const int64_t *)PyLong_AsVoidPtr(args[0]);
-    Py_ssize_t w = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t v = PyLong_AsSsize_t(args[2]);
-    PyObject *rows_seen = args[3];
-    PyObject *req_obj = args[4];
-    PyObject *groups_obj = args[5];
-    int overwrite = PyObject_IsTrue(args[6]);
-    if (ctx == NULL || w < 0 || v < 0 || overwrite < 0 || !PySet_Check(rows_seen)) {
-        PyErr_Clear();
-        return PyLong_FromLong(STATUS_FALLBACK);
-    }
-    if (!PyLong_CheckExact(req_obj) || !(PyList_CheckExact(groups_obj) || PyTuple_CheckExact(groups_obj)))
-        return PyLong_FromLong(STATUS_FALLBACK);
+/* Stage one call. Returns 0 (staged: *w_out, *v_out, *overlapped set), STATUS_GROW, STATUS_FALLBACK,
+ * or -1 with a Python exception set. */
+static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *rows_seen, PyObject *req_obj,
+                      PyObject *groups_obj, int overwrite, Py_ssize_t *w_out, Py_ssize_t *v_out, int *overlapped_out) {
+    if (!PyLong_CheckExact(req_obj) || !(PyList_CheckExact(groups_obj) || PyTuple_CheckExact(groups_obj)) ||
+        !PySet_Check(rows_seen))
+        return STATUS_FALLBACK;
     const Py_ssize_t num_groups = (Py_ssize_t)ctx[CTX_GROUPS];
     const Py_ssize_t max_reqs = (Py_ssize_t)ctx[CTX_MAX_REQS];
     int overflow = 0;
     long long req = PyLong_AsLongLongAndOverflow(req_obj, &overflow);
     if (overflow || req < 0 || req >= max_reqs || PySequence_Fast_GET_SIZE(groups_obj) != num_groups ||
         num_groups > 64)
-        return PyLong_FromLong(STATUS_FALLBACK);
+        return STATUS_FALLBACK;
     PyObject **groups = PySequence_Fast_ITEMS(groups_obj);
     int32_t *meta = (int32_t *)(intptr_t)ctx[CTX_META];
     int32_t *values = (int32_t *)(intptr_t)ctx[CTX_VALUES];
@@ -67,7 +56,7 @@ static PyObject *stage_block_ids(PyObject *self, PyObject *const *args, Py_ssize
     for (Py_ssize_t g = 0; g < num_groups; g++) {
         PyObject *ids = groups[g];
         if (!(PyList_CheckExact(ids) || PyTuple_CheckExact(ids)))
-            return PyLong_FromLong(STATUS_FALLBACK);
+            return STATUS_FALLBACK;
         const int64_t *grp = ctx + CTX_GROUP0 + 3 * g;
         Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
         cells[g] = -1;
@@ -76,14 +65,14 @@ static PyObject *stage_block_ids(PyObject *self, PyObject *const *args, Py_ssize
         int64_t start = overwrite ? 0 : num_blocks[g * max_reqs + req];
         int64_t c = (int64_t)n * grp[0];
         if (start + c > grp[1])
-            return PyLong_FromLong(STATUS_FALLBACK);
+            return STATUS_FALLBACK;
         starts[g] = start;
         cells[g] = c;
         writes_needed += 1;
         values_needed += (Py_ssize_t)c;
     }
     if (w + writes_needed > ctx[CTX_META_CAP] || v + values_needed > ctx[CTX_VALUES_CAP])
-        return PyLong_FromLong(STATUS_GROW);
+        return STATUS_GROW;
 
     /* Pass 2: values and metadata into the uncommitted tail of the arena. */
     Py_ssize_t w1 = w, v1 = v;
@@ -99,11 +88,11 @@ static PyObject *stage_block_ids(PyObject *self, PyObject *const *args, Py_ssize
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = items[i];
             if (!PyLong_Check(item))
-                return PyLong_FromLong(STATUS_FALLBACK);
+                return STATUS_FALLBACK;
             long long b = PyLong_AsLongLongAndOverflow(item, &overflow);
             if (overflow || b < 0 || b > max_id) {
                 PyErr_Clear();
-                return PyLong_FromLong(STATUS_FALLBACK);
+                return STATUS_FALLBACK;
             }
             int64_t base = (int64_t)b * k;
             for (int64_t j = 0; j < k; j++)
@@ -125,26 +114,140 @@ static PyObject *stage_block_ids(PyObject *self, PyObject *const *args, Py_ssize
             continue;
         PyObject *key = PyLong_FromLongLong((req << 16) | (long long)g);
         if (key == NULL)
-            return NULL;
+            return -1;
         int seen = PySet_Contains(rows_seen, key);
         if (seen == 0)
             seen = PySet_Add(rows_seen, key) < 0 ? -1 : 0;
         Py_DECREF(key);
         if (seen < 0)
-            return NULL;
+            return -1;
         overlapped |= seen;
-        num_blocks[g * max_reqs + req] = (int32_t)(starts[g] + cells[g]);
     }
-    return Py_BuildValue("nni", w1, v1, overlapped);
+    for (Py_ssize_t g = 0; g < num_groups; g++)
+        if (cells[g] >= 0)
+            num_blocks[g * max_reqs + req] = (int32_t)(starts[g] + cells[g]);
+    *w_out = w1;
+    *v_out = v1;
+    *overlapped_out = overlapped;
+    return 0;
+}
+
+static PyObject *s_arena, *s_context_addr, *s_generation, *s_num_writes, *s_num_values, *s_rows_seen, *s_may_overlap,
+    *s_dirty, *s_refresh, *s_python_path;
+
+static int get_ssize(PyObject *obj, PyObject *name, Py_ssize_t *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    *out = PyLong_AsSsize_t(value);
+    Py_DECREF(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_ssize(PyObject *obj, PyObject *name, Py_ssize_t value) {
+    PyObject *boxed = PyLong_FromSsize_t(value);
+    if (boxed == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(obj, name, boxed);
+    Py_DECREF(boxed);
+    return rc;
+}
+
+/* append_block_ids(block_tables, req_index, new_block_ids, overwrite): BlockTables.append_block_ids.
+ * Stages through the arena's arrays in C; hands anything unusual (errors included) to the Python path,
+ * `block_tables._append_block_ids_python`, which raises the precise StagedWriteError. */
+static PyObject *append_block_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "append_block_ids takes 4 arguments");
+        return NULL;
+    }
+    PyObject *bt = args[0], *req = args[1], *groups = args[2];
+    int overwrite = PyObject_IsTrue(args[3]);
+    if (overwrite < 0)
+        return NULL;
+    PyObject *arena = PyObject_GetAttr(bt, s_arena);
+    if (arena == NULL)
+        return NULL;
+    PyObject *rows_seen = NULL, *result = NULL;
+    Py_ssize_t ctx_addr, generation, w, v, w1, v1;
+    int overlapped, status;
+    for (int attempt = 0;; attempt++) {
+        if (get_ssize(bt, s_context_addr, &ctx_addr) < 0 || get_ssize(arena, s_generation, &generation) < 0)
+            goto done;
+        const int64_t *ctx = (const int64_t *)(intptr_t)ctx_addr;
+        if (generation != ctx[CTX_GENERATION]) { /* the arena's arrays moved: point the context at them */
+            PyObject *r = PyObject_CallMethodNoArgs(bt, s_refresh);
+            if (r == NULL)
+                goto done;
+            Py_DECREF(r);
+        }
+        if (get_ssize(arena, s_num_writes, &w) < 0 || get_ssize(arena, s_num_values, &v) < 0)
+            goto done;
+        Py_XDECREF(rows_seen);
+        rows_seen = PyObject_GetAttr(arena, s_rows_seen);
+        if (rows_seen == NULL)
+            goto done;
+        status = stage_core(ctx, w, v, rows_seen, req, groups, overwrite, &w1, &v1, &overlapped);
+        if (status < 0)
+            goto done;
+        if (status == 0) {
+            if (w1 != w) {
+                if (set_ssize(arena, s_num_writes, w1) < 0 || set_ssize(arena, s_num_values, v1) < 0 ||
+                    (overlapped && PyObject_SetAttr(arena, s_may_overlap, Py_True) < 0) ||
+                    PyObject_SetAttr(bt, s_dirty, Py_True) < 0)
+                    goto done;
+            }
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        if (status == STATUS_GROW && attempt == 0) { /* room for every group's ids, then once more */
+            Py_ssize_t needed = 0, num_groups = (Py_ssize_t)ctx[CTX_GROUPS];
+            PyObject **items = PySequence_Fast_ITEMS(groups); /* stage_core checked: list or tuple */
+            for (Py_ssize_t g = 0; g < num_groups; g++)
+                needed += PySequence_Fast_GET_SIZE(items[g]) * (Py_ssize_t)ctx[CTX_GROUP0 + 3 * g];
+            PyObject *r = PyObject_CallMethod(arena, "reserve", "nn", num_groups, needed);
+            if (r == NULL)
+                goto done;
+            Py_DECREF(r);
+            continue;
+        }
+        PyObject *fallback_args[3] = {req, groups, args[3]};
+        PyObject *method = PyObject_GetAttr(bt, s_python_path);
+        if (method == NULL)
+            goto done;
+        result = PyObject_Vectorcall(method, fallback_args, 3, NULL);
+        Py_DECREF(method);
+        goto done;
+    }
+done:
+    Py_XDECREF(rows_seen);
+    Py_DECREF(arena);
+    return result;
 }
 
 static PyMethodDef methods[] = {
-    {"stage_block_ids", (PyCFunction)(void (*)(void))stage_block_ids, METH_FASTCALL,
-     "Stage one request's block ids for every group; see multiwrite/_cstaging.c."},
+    {"append_block_ids", (PyCFunction)(void (*)(void))append_block_ids, METH_FASTCALL,
+     "append_block_ids(block_tables, req_index, new_block_ids, overwrite): BlockTables.append_block_ids "
+     "staged in C; see multiwrite/_cstaging.c."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "multiwrite._cstaging",
                                     "Compiled staging hot path of BlockTables.", -1, methods};
 
-PyMODINIT_FUNC PyInit__cstaging(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cstaging(void) {
+    s_arena = PyUnicode_InternFromString("_arena");
+    s_context_addr = PyUnicode_InternFromString("_context_addr");
+    s_generation = PyUnicode_InternFromString("generation");
+    s_num_writes = PyUnicode_InternFromString("num_writes");
+    s_num_values = PyUnicode_InternFromString("num_values");
+    s_rows_seen = PyUnicode_InternFromString("rows_seen");
+    s_may_overlap = PyUnicode_InternFromString("may_overlap");
+    s_dirty = PyUnicode_InternFromString("_num_blocks_dirty");
+    s_refresh = PyUnicode_InternFromString("_refresh_context");
+    s_python_path = PyUnicode_InternFromString("_append_block_ids_python");
+    if (!s_arena || !s_context_addr || !s_generation || !s_num_writes || !s_num_values || !s_rows_seen ||
+        !s_may_overlap || !s_dirty || !s_refresh || !s_python_path)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -20,10 +20,9 @@ from multiwrite.staging import (
 from multiwrite.writer import FusedStagedWriter
 
 try:  # the compiled staging path (optional: built where a C compiler exists)
-    from multiwrite._cstaging import stage_block_ids as _stage_block_ids
+    from multiwrite._cstaging import append_block_ids as _stage_block_ids
 except ImportError:  # pragma: no cover - depends on the install
     _stage_block_ids = None
-_GROW = 1  # status of the compiled path: the arena needs room
 
 _META_BYTES = META_COLUMNS * 4  # one int32 metadata row
 
@@ -117,9 +116,9 @@ class BlockTables:
         self._groups = [(k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(self.kernel_blocks_per_block, widths)]
         # int64 context of the compiled path: arena and num_blocks addresses and sizes, then per group
         # (k, width, max id); see multiwrite/_cstaging.c.
-        self._context = np.zeros(7 + 3 * num_groups, dtype=np.int64)
+        self._context = np.zeros(8 + 3 * num_groups, dtype=np.int64)
         self._context[6] = num_groups
-        self._context[7:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
+        self._context[8:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
         self._context[4] = self.num_blocks.ctypes.data
         self._context[5] = self.max_num_reqs
         self._context_addr = self._context.ctypes.data
@@ -163,26 +162,9 @@ class BlockTables:
                 staged for any group then.
         """
         if _stage_block_ids is not None:
-            arena = self._arena
-            if arena.generation != self._context_generation:
-                self._refresh_context()
-            w = arena.num_writes
-            done = _stage_block_ids(
-                self._context_addr, w, arena.num_values, arena.rows_seen, req_index, new_block_ids, overwrite
-            )
-            if done.__class__ is tuple:
-                if done[0] != w:
-                    arena.num_writes, arena.num_values, overlapped = done
-                    if overlapped:
-                        arena.may_overlap = True
-                    self._num_blocks_dirty = True
-                return
-            if done == _GROW:
-                needed = sum(len(ids) * k for ids, (k, _, _) in zip(new_block_ids, self._groups))
-                arena.reserve(len(self._groups), needed)
-                self._refresh_context()
-                return self.append_block_ids(req_index, new_block_ids, overwrite)
-        self._append_block_ids_python(req_index, new_block_ids, overwrite)
+            _stage_block_ids(self, req_index, new_block_ids, overwrite)  # falls back to the Python path itself
+        else:
+            self._append_block_ids_python(req_index, new_block_ids, overwrite)
 
     def _refresh_context(self) -> None:
         """Point the compiled path at the arena's current arrays (after any reallocation or rotation)."""
@@ -191,7 +173,7 @@ class BlockTables:
         ctx[1] = arena.meta.shape[0]
         ctx[2] = arena.values_addr
         ctx[3] = arena.values.shape[0]
-        self._context_generation = arena.generation
+        ctx[7] = arena.generation
 
     def _append_block_ids_python(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
         """`append_block_ids` without the compiled path: same checks, same staged data, precise errors."""
