@@ -18,9 +18,13 @@ Parts (each in its own try/except; the exit status is non-zero if any fails):
   realloc  `.tensor` replaced through its setter, `resize_` and `set_` in place: writes land in the new
            storage, the old storage (and a canary allocated where it was freed) is never written.
   replay   `multiwrite replay --device cuda --backend triton-cuda` for G1 and G3 at C=40 and 256.
-  timing   median host time per apply vs an empty Triton launch (same run), per launcher and guard, on
-           the trace for G1-G4 at C=40/256; device time per apply (CUDA events around an apply queued
-           behind a short sleep, so launch overhead is excluded); a prefill burst vs a pinned H2D copy.
+  timing   host times on the trace for G1-G4 at C=40/256 (the launcher/guard variants on G1 and G3): in
+           each step every variant, in turn, stages, applies, synchronizes, then launches the empty Triton
+           kernel and synchronizes, so "x empty" is the ratio of medians of apply (or step) and the
+           empty launch measured in the same loop; then the tight-loop pair (empty launch vs
+           `TritonWriter.apply` of a captured decode batch, synchronizing every 50 calls); then device
+           times from CUDA events around work queued behind a short sleep (decode, prefill burst vs a
+           pinned H2D copy).
 
 Writes `$OUT/gpu_check.log`, `$OUT/pytest.log`, `$OUT/results.json` (OUT defaults to ./gpu_check_out).
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.metadata
 import json
 import os
@@ -40,9 +45,12 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ncu_target.py, the capture helpers, sits beside us
 
 OUT = Path(os.environ.get("OUT") or "gpu_check_out")
 RESULTS: dict = {"parts": {}}
@@ -432,106 +440,137 @@ def _median_us(fn: Callable[[], object], n: int, device, sync_every: int = 50, s
     return statistics.median(times) * 1e6
 
 
+#: (launcher, guard) variants of the trace loop; the non-default ones run on G1 and G3 only.
+TIMING_VARIANTS = (("auto", "kernel"), ("run", "kernel"), ("jit", "kernel"), ("auto", "event"))
+
+
 def part_timing(args) -> dict:
+    """Host times in the trace loop (apply and empty launch side by side), the tight-loop pair, and
+    device times from CUDA events behind a sleep."""
     device = args.device
     from multiwrite.bench_triton import empty_kernel
-    from multiwrite.block_tables import BlockTables
-    from multiwrite.workload import load_trace, max_blocks_per_group, replay_steps
 
-    res: dict = {}
     dummy = torch.zeros(1, device=device)
     for _ in range(20):
-        empty_kernel[(1,)](dummy)
-    n = 200 if args.quick else 3000
-    empty_us = _median_us(lambda: empty_kernel[(1,)](dummy), n, device)
-    res["empty_launch_us"] = empty_us
-    log(f"  empty Triton launch (JIT path, tensor arg): {empty_us:.2f} us host")
-
-    trace = load_trace()
-    configs = {"G1": ([16], None), "G2": ([16, 16], None), "G3": ([16, 32, 8], [16, 16, 8]), "G4": ([16] * 4, None)}
-    variants = [("auto", "kernel"), ("run", "kernel"), ("jit", "kernel"), ("auto", "event")]
-    steps = 25 if args.quick else 400
-    warm = 5 if args.quick else 50
-    rows = []
-    for launcher, guard in variants:
-        for c in (40, 256):
-            for name, (bs, kbs) in configs.items():
-                if (launcher, guard) != ("auto", "kernel") and name in ("G2", "G4"):
-                    continue  # the other variants on G1 and G3 only, to keep the run short
-                backend = backend_instance(launcher=launcher, guard=guard)
-                bt = BlockTables(bs, c, max_blocks_per_group(bs), device, kbs, backend=backend)
-                step_us, apply_us = [], []
-                for i, calls in enumerate(replay_steps(trace, bs, c, steps)):
-                    t0 = time.perf_counter()
-                    for req, ids, ow in calls:
-                        bt.append_block_ids(req, ids, ow)
-                    t1 = time.perf_counter()
-                    bt.apply_staged_writes()
-                    t2 = time.perf_counter()
-                    sync(device)
-                    if i >= warm and calls:
-                        step_us.append((t2 - t0) * 1e6)
-                        apply_us.append((t2 - t1) * 1e6)
-                row = {
-                    "launcher": launcher, "guard": guard, "C": c, "groups": name,
-                    "apply_us": statistics.median(apply_us), "step_us": statistics.median(step_us),
-                    "launch_path": backend.writer(device).launch_path,
-                }  # fmt: skip
-                row["apply_x_empty"] = row["apply_us"] / empty_us
-                row["step_x_empty"] = row["step_us"] / empty_us
-                rows.append(row)
-                log(f"  {launcher:4s} {guard:6s} C={c:3d} {name}: apply {row['apply_us']:.2f} us "
-                    f"({row['apply_x_empty']:.2f}x), step {row['step_us']:.2f} us "
-                    f"({row['step_x_empty']:.2f}x)")  # fmt: skip
-    res["trace"] = rows
-    res["backend_only"] = _backend_only(device, n)
+        empty_kernel[(1,)](dummy)  # compile (and warm) outside every timed region
+    sync(device)
+    res: dict = {}
+    res["trace"] = _trace_loop(device, args, lambda: empty_kernel[(1,)](dummy))
+    res["tight_loop"] = _tight_loop(device, args, lambda: empty_kernel[(1,)](dummy))
     res["device"] = _device_times(device, args)
+    bad = [f"{r['launcher']}/{r['guard']} C={r['C']} {r['groups']}" for r in res["trace"] if r["mismatches"]]
+    if bad:
+        raise AssertionError(f"trace loop: tables differ from the reference for {', '.join(bad)}")
     return res
 
 
-def _capture_batch(device, c: int, bs, kbs):
-    """A decode-like WriteBatch from a steady-state trace step, and the writer that applies it."""
+def _trace_loop(device, args, empty_launch: Callable[[], object]) -> list[dict]:
+    """Per configuration, every variant replays the same trace steps, taking turns within each step in
+    an order that rotates from step to step (drift reaches them alike; the garbage collector is off).
+    One turn: stage, apply, synchronize, then one empty Triton launch (JIT path, as `floor-triton` of
+    the bench), synchronize. So the empty launch of a row is measured in the same loop, under the same
+    conditions as its apply, and the ratios are ratios of medians over the same steps. At the end each
+    variant's tables are checked against the reference."""
     from multiwrite.block_tables import BlockTables
-    from multiwrite.workload import load_trace, max_blocks_per_group, replay_steps
+    from multiwrite.reference import ReferenceBlockTables
+    from multiwrite.replay import count_mismatches
+    from multiwrite.workload import CONFIGS, load_trace, max_blocks_per_group, replay_steps
 
-    backend = backend_instance()
-    bt = BlockTables(bs, c, max_blocks_per_group(bs), device, kbs, backend=backend)
-    captured = []
-    writer = backend.writer(bt.device)
-    real_apply = writer.apply
-    writer.apply = lambda batches: (captured.append(list(batches)), real_apply(batches))
-    for calls in replay_steps(load_trace(), bs, c, 120):
-        for req, ids, ow in calls:
-            bt.append_block_ids(req, ids, ow)
-        bt.apply_staged_writes()
-    writer.apply = real_apply
-    sync(device)
-    recent = sorted(captured[-50:], key=lambda batches: batches[0].num_writes)
-    decode = recent[len(recent) // 2]  # the median step of the last 50: decode-dominated
-    return writer, [_own_batch(b) for b in decode]
+    trace = load_trace()
+    steps = 25 if args.quick else 1000
+    warm = 5 if args.quick else 100
+    clock = time.perf_counter_ns
+    rows = []
+    for c in (40, 256):
+        for name, (bs, kbs) in CONFIGS.items():
+            variants = TIMING_VARIANTS if name in ("G1", "G3") else TIMING_VARIANTS[:1]
+            schedule = list(replay_steps(trace, bs, c, steps))
+            runners = []
+            for launcher, guard in variants:
+                backend = backend_instance(launcher=launcher, guard=guard)
+                bt = BlockTables(bs, c, max_blocks_per_group(bs), device, kbs, backend=backend)
+                runners.append(SimpleNamespace(launcher=launcher, guard=guard, backend=backend, bt=bt,
+                                               step=[], apply=[], empty=[]))  # fmt: skip
+            orders = [runners[k:] + runners[:k] for k in range(len(runners))]
+            gc.collect()
+            gc.disable()
+            try:
+                for i, calls in enumerate(schedule):
+                    measured = i >= warm and bool(calls)
+                    for r in orders[i % len(orders)]:
+                        bt = r.bt
+                        t0 = clock()
+                        for req, ids, ow in calls:
+                            bt.append_block_ids(req, ids, ow)
+                        t1 = clock()
+                        bt.apply_staged_writes()
+                        t2 = clock()
+                        sync(device)
+                        t3 = clock()
+                        empty_launch()
+                        t4 = clock()
+                        sync(device)
+                        if measured:
+                            r.step.append((t2 - t0) / 1e3)
+                            r.apply.append((t2 - t1) / 1e3)
+                            r.empty.append((t4 - t3) / 1e3)
+            finally:
+                gc.enable()
+            ref = ReferenceBlockTables(bs, c, max_blocks_per_group(bs), kbs)
+            for calls in schedule:
+                for req, ids, ow in calls:
+                    ref.append_block_ids(req, ids, ow)
+            for r in runners:
+                apply_us, step_us, empty_us = (statistics.median(x) for x in (r.apply, r.step, r.empty))
+                row = {
+                    "launcher": r.launcher, "guard": r.guard, "C": c, "groups": name, "steps": len(r.apply),
+                    "apply_us": apply_us, "empty_us": empty_us, "step_us": step_us,
+                    "apply_x_empty": apply_us / empty_us, "step_x_empty": step_us / empty_us,
+                    "apply_p99_us": float(np.percentile(r.apply, 99)),
+                    "empty_p99_us": float(np.percentile(r.empty, 99)),
+                    "launch_path": r.backend.writer(r.bt.block_tables[0].device).launch_path,
+                    "host_waits": r.backend.writer(r.bt.block_tables[0].device).waits,
+                    "mismatches": count_mismatches(r.bt, ref),
+                }  # fmt: skip
+                rows.append(row)
+                log(f"  {r.launcher:4s} {r.guard:6s} C={c:3d} {name}: apply {apply_us:6.2f} us, empty {empty_us:6.2f} "
+                    f"us (same loop) = {row['apply_x_empty']:.2f}x; step {step_us:6.2f} us = "
+                    f"{row['step_x_empty']:.2f}x; {row['steps']} steps"
+                    + (f"; {row['mismatches']} MISMATCHES" if row["mismatches"] else ""))  # fmt: skip
+    return rows
 
 
-def _own_batch(b):
-    from multiwrite.backend import WriteBatch
+def _tight_loop(device, args, empty_launch: Callable[[], object]) -> dict:
+    """The tight-loop pair (synchronize every 50 calls, no staging): per G3 decode batch captured from
+    the trace, the empty launch and then `TritonWriter.apply` of that batch alone, back to back."""
+    from ncu_target import capture_decode, describe
 
-    return WriteBatch(b.tables, b.meta.copy(), b.values.copy(), b.may_overlap, b.values_in_order)
-
-
-def _backend_only(device, n: int) -> dict:
-    """Host time of TritonWriter.apply alone (no staging, no FusedStagedWriter), one decode batch."""
+    n = 200 if args.quick else 3000
     out = {}
-    for c, bs, kbs in ((40, [16, 32, 8], [16, 16, 8]), (256, [16, 32, 8], [16, 16, 8])):
-        writer, batches = _capture_batch(device, c, bs, kbs)
-        us = _median_us(lambda w=writer, b=batches: w.apply(b), n, device)
-        out[f"G3-C{c}"] = {"us": us, "writes": batches[0].num_writes, "values": int(batches[0].values.shape[0])}
-        log(f"  TritonWriter.apply alone, G3 C={c} ({batches[0].num_writes} writes): {us:.2f} us")
+    for c in (40, 256):
+        writer, batches = capture_decode(device, c)
+        for _ in range(10):  # first apply compiles and binds the launcher; then every ring slot is used once
+            writer.apply(batches)
+        sync(device)
+        waits0 = writer.waits
+        empty_us = _median_us(empty_launch, n, device)
+        apply_us = _median_us(lambda w=writer, b=batches: w.apply(b), n, device)
+        row = {"empty_us": empty_us, "apply_us": apply_us, "apply_x_empty": apply_us / empty_us,
+               "host_waits": writer.waits - waits0, "launch_path": writer.launch_path, **describe(batches)}  # fmt: skip
+        out[f"G3-C{c}"] = row
+        log(f"  tight loop, G3 C={c} decode batch ({row['writes']} writes, {row['values']} values): "
+            f"TritonWriter.apply alone {apply_us:.2f} us, empty launch {empty_us:.2f} us = {row['apply_x_empty']:.2f}x"
+            f" (slot waits {row['host_waits']})")  # fmt: skip
     return out
 
 
 def _device_times(device, args) -> dict:
     """Device time per apply, launch overhead excluded: events around work queued behind a sleep."""
     if device.type != "cuda":
+        log("  device times (CUDA events): skipped on CPU")
         return {"skipped": "cpu"}
+    from ncu_target import capture_burst, capture_decode
+
     from multiwrite.bench_triton import empty_kernel
 
     out = {}
@@ -550,42 +589,29 @@ def _device_times(device, args) -> dict:
             ts.append(start.elapsed_time(end) * 1000.0)
         return statistics.median(ts)
 
+    def warm(writer, batches) -> None:
+        for _ in range(10):  # compile, bind, and grow every ring slot outside the timed region
+            writer.apply(batches)
+        sync(device)
+
     dummy = torch.zeros(1, device=device)
     out["empty_kernel_us"] = timed(lambda: empty_kernel[(1,)](dummy))
     for c in (40, 256):
-        writer, batches = _capture_batch(device, c, [16, 32, 8], [16, 16, 8])
+        writer, batches = capture_decode(device, c)
+        warm(writer, batches)
         out[f"decode_G3_C{c}_us"] = timed(lambda w=writer, b=batches: w.apply(b))
-    # Prefill burst: 256 requests x 3 groups x 1024 ids, overwrite, one apply; vs a pinned H2D copy.
-    from multiwrite import BlockTables
-
-    bt = BlockTables([16, 16, 16], 256, [1100] * 3, device, backend=backend_instance())
-    ids = np.arange(1, 1025, dtype=np.int32)
-
-    def burst():
-        for r in range(256):
-            bt.append_block_ids(r, [ids, ids, ids], True)
-        bt.apply_staged_writes()
-
-    burst()
-    sync(device)
-    nbytes = 256 * 3 * 1024 * 4
+    # Prefill burst (the bench's: G3, 256 requests x 3 groups x 1024 ids, overwrites), one apply; vs a
+    # pinned H2D copy of the same bytes.
+    writer, batches, nbytes = capture_burst(device)
+    warm(writer, batches)
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    burst_writer = bt.backend.writer(bt.device)
-    captured = []
-    real = burst_writer.apply
-    burst_writer.apply = lambda b: captured.append([_own_batch(x) for x in b])
-    for r in range(256):
-        bt.append_block_ids(r, [ids, ids, ids], True)
-    bt.apply_staged_writes()
-    burst_writer.apply = real
-    burst_batches = captured[0]
-    out["burst_apply_us"] = timed(lambda: burst_writer.apply(burst_batches), 20e-3)  # 3 MB host memcpy first
+    out["burst_apply_us"] = timed(lambda: writer.apply(batches), 20e-3)  # a 4 MB host memcpy comes first
     out["burst_h2d_copy_us"] = timed(lambda: dst.copy_(src, non_blocking=True), 1e-3)
     out["burst_bytes"] = nbytes
     out["burst_vs_copy_bandwidth"] = out["burst_h2d_copy_us"] / out["burst_apply_us"]
     for k, v in out.items():
-        log(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
+        log(f"  device (CUDA events behind a sleep) {k}: {v:.3f}" if isinstance(v, float) else f"  device {k}: {v}")
     return out
 
 
@@ -634,22 +660,26 @@ def _summary() -> None:
     parts = RESULTS["parts"]
     log("\n== summary")
     for name, p in parts.items():
-        log(f"  {name:8s} {'PASS' if p['ok'] else 'FAIL: ' + p['error']}")
+        skipped = p["ok"] and isinstance(p.get("result"), dict) and p["result"].get("skipped")
+        log(f"  {name:8s} " + (f"SKIPPED ({skipped})" if skipped else "PASS" if p["ok"] else "FAIL: " + p["error"]))
     timing = parts.get("timing", {}).get("result")
-    if not timing:
-        return
-    log(f"\n  empty Triton launch: {timing['empty_launch_us']:.2f} us host")
-    head = ("launcher", "guard", "C", "grp", "apply us", "x empty", "step us", "x empty")
-    log("  {:9s} {:6s} {:>4s} {:3s} {:>9s} {:>8s} {:>8s} {:>8s}".format(*head))
-    for r in timing["trace"]:
-        log(f"  {r['launcher']:9s} {r['guard']:6s} {r['C']:4d} {r['groups']:3s} {r['apply_us']:9.2f} "
-            f"{r['apply_x_empty']:8.2f} {r['step_us']:8.2f} {r['step_x_empty']:8.2f}")  # fmt: skip
-    if timing["trace"]:
-        log(f"  launch path: {timing['trace'][0]['launch_path']}")
-    for k, v in timing.get("backend_only", {}).items():
-        log(f"  TritonWriter.apply alone {k}: {v['us']:.2f} us")
-    for k, v in timing.get("device", {}).items():
-        log(f"  device {k}: {v:.3f}" if isinstance(v, float) else f"  device {k}: {v}")
+    if timing:
+        log("\n  host time per apply, trace loop: each step stages, applies, synchronizes, then launches the empty")
+        log("  Triton kernel (JIT path) and synchronizes; medians over the same steps; x = ratio of medians")
+        head = ("launcher", "guard", "C", "grp", "apply us", "empty us", "apply x", "step us", "step x")
+        log("  {:9s} {:6s} {:>4s} {:3s} {:>9s} {:>9s} {:>8s} {:>8s} {:>8s}".format(*head))
+        for r in timing["trace"]:
+            log(f"  {r['launcher']:9s} {r['guard']:6s} {r['C']:4d} {r['groups']:3s} {r['apply_us']:9.2f} "
+                f"{r['empty_us']:9.2f} {r['apply_x_empty']:8.2f} {r['step_us']:8.2f} "
+                f"{r['step_x_empty']:8.2f}")  # fmt: skip
+        if timing["trace"]:
+            log(f"  launch path: {timing['trace'][0]['launch_path']}")
+        log("  tight loop (synchronize every 50 calls, no staging), G3 decode batch from the trace:")
+        for k, v in timing.get("tight_loop", {}).items():
+            log(f"    {k}: TritonWriter.apply alone {v['apply_us']:.2f} us, empty launch {v['empty_us']:.2f} us, "
+                f"{v['apply_x_empty']:.2f}x")  # fmt: skip
+        for k, v in timing.get("device", {}).items():
+            log(f"  device (CUDA events behind a sleep) {k}: {v:.3f}" if isinstance(v, float) else f"  device {k}: {v}")
 
 
 if __name__ == "__main__":
