@@ -25,8 +25,13 @@ Parts (each in its own try/except; the exit status is non-zero if any fails):
            `TritonWriter.apply` of a captured decode batch, synchronizing every 50 calls); then device
            times from CUDA events around work queued behind a short sleep (decode, prefill burst vs a
            pinned H2D copy).
+  ncu      Nsight Compute (`ncu`, skipped when absent or with --device cpu) profiles scripts/ncu_target.py:
+           gpu__time_duration.sum of our kernel per apply (G3 decode at C=40 and 256, prefill burst)
+           and of the empty kernel, 20 applies each between cudaProfilerStart/Stop, --clock-control
+           none: the kernel time on the device, launch overhead excluded (log: ncu.log).
 
-Writes `$OUT/gpu_check.log`, `$OUT/pytest.log`, `$OUT/results.json` (OUT defaults to ./gpu_check_out).
+Writes `$OUT/gpu_check.log`, `$OUT/pytest.log`, `$OUT/results.json`, `$OUT/ncu.log` (OUT defaults to
+./gpu_check_out).
 """
 
 from __future__ import annotations
@@ -38,9 +43,13 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -615,9 +624,189 @@ def _device_times(device, args) -> dict:
     return out
 
 
+# -- ncu -------------------------------------------------------------------------------------------
+#: Kernels ncu profiles: ours (`_write_kernel_fn` in backends/triton_kernel.py) and the bench's empty one.
+NCU_KERNEL_REGEX = "write_kernel|empty_kernel"
+NCU_TIMEOUT_S = 150
+_UNIT_US = {"ns": 1e-3, "nsecond": 1e-3, "nsec": 1e-3, "us": 1.0, "usecond": 1.0, "usec": 1.0, "\u00b5s": 1.0,
+            "ms": 1e3, "msecond": 1e3, "msec": 1e3, "s": 1e6, "second": 1e6, "sec": 1e6}  # fmt: skip
+
+
+def parse_ncu_csv(text: str, metric: str = "gpu__time_duration.sum") -> list[dict]:
+    """Per profiled kernel, in launch order: {"id", "name", "grid", "block", "us"} from `ncu --csv` output
+    (the "details" layout, one row per metric, or the "raw" layout, one column per metric and a units
+    row). Lines that are not CSV (==PROF== lines, the target's own output) are ignored.
+
+    Raises:
+        ValueError: no header, no rows for `metric`, or a unit or value it cannot read.
+    """
+    import csv
+
+    lines = [ln for ln in text.splitlines() if ln.lstrip().startswith('"')]
+    rows = list(csv.reader(lines))
+    head_at = next((i for i, r in enumerate(rows) if "ID" in r and "Kernel Name" in r), None)
+    if head_at is None:
+        raise ValueError("no CSV header with 'ID' and 'Kernel Name' in ncu's output")
+    head = rows[head_at]
+    col = {name: i for i, name in enumerate(head)}
+    body = [r for r in rows[head_at + 1 :] if len(r) == len(head) and r != head]
+
+    def us(value: str, unit: str) -> float:
+        factor = _UNIT_US.get(unit.strip())
+        if factor is None:
+            raise ValueError(f"unknown unit {unit!r} for {metric}")
+        try:
+            return float(value.replace(",", "").strip()) * factor
+        except ValueError:
+            raise ValueError(f"unreadable value {value!r} for {metric}") from None
+
+    kernels: dict[int, dict] = {}
+    if "Metric Name" in col and "Metric Value" in col:  # details layout
+        unit_col = col.get("Metric Unit")
+        for r in body:
+            if r[col["Metric Name"]] != metric:
+                continue
+            kid = int(r[col["ID"]])
+            unit = r[unit_col] if unit_col is not None else "ns"
+            kernels[kid] = _kernel_row(r, col, kid, us(r[col["Metric Value"]], unit))
+    elif metric in col:  # raw layout: the first row after the header holds units (empty ID)
+        units = next((r for r in body if not r[col["ID"]].strip()), None)
+        unit = units[col[metric]] if units is not None else "ns"
+        for r in body:
+            if r[col["ID"]].strip():
+                kid = int(r[col["ID"]])
+                kernels[kid] = _kernel_row(r, col, kid, us(r[col[metric]], unit))
+    else:
+        raise ValueError(f"CSV header has neither 'Metric Name' nor a {metric!r} column: {head}")
+    if not kernels:
+        raise ValueError(f"ncu's CSV has no {metric} rows (no kernel matched, or profiling failed)")
+    return [kernels[k] for k in sorted(kernels)]
+
+
+def _kernel_row(r: list[str], col: dict, kid: int, us: float) -> dict:
+    def get(name: str) -> str:
+        return r[col[name]] if name in col else ""
+
+    return {"id": kid, "name": get("Kernel Name"), "grid": get("Grid Size"), "block": get("Block Size"), "us": us}
+
+
+def assign_ncu_rows(kernels: list[dict], manifest: dict) -> dict:
+    """Map ncu's kernels (launch order) onto the target's manifest; the measured launches are the last
+    ones. Per label: median/min/max device time per apply (a multi-batch apply sums its launches).
+
+    Raises:
+        ValueError: fewer kernels than the manifest lists, or a kernel name where another was expected.
+    """
+    seq = manifest["sequence"]
+    total = sum(s["launches"] for s in seq)
+    if len(kernels) < total:
+        raise ValueError(f"ncu reported {len(kernels)} kernels matching {NCU_KERNEL_REGEX!r}; the target made {total}")
+    extra = len(kernels) - total
+    kernels = kernels[extra:]
+    out: dict = {"extra_kernels_before_range": extra}
+    k = 0
+    for s in seq:
+        chunk = kernels[k : k + s["launches"]]
+        k += s["launches"]
+        names = sorted({x["name"] for x in chunk})
+        empty = s["kernel"] == "empty"
+        if any(("empty_kernel" in x["name"]) != empty for x in chunk):
+            raise ValueError(f"{s['label']}: expected {'the empty kernel' if empty else 'our kernel'}, got {names}")
+        per = max(1, s["per_apply"])
+        applies = [sum(x["us"] for x in chunk[j : j + per]) for j in range(0, len(chunk), per)]
+        info = {key: v for key, v in s.items() if key not in ("label", "kernel")}
+        info.update({
+            "median_us": statistics.median(applies), "min_us": min(applies), "max_us": max(applies),
+            "applies": len(applies), "kernel_names": names, "grids": sorted({x["grid"] for x in chunk}),
+            "blocks": sorted({x["block"] for x in chunk}),
+        })  # fmt: skip
+        out[s["label"]] = info
+    return out
+
+
+def _head(out: str, err: str, n: int = 12) -> str:
+    """ncu's own messages (==PROF==, ==WARNING==, ==ERROR== lines), then the first lines of stdout and stderr."""
+    prof = [ln for ln in (out + "\n" + err).splitlines() if ln.startswith("==")][:n]
+    parts = [("ncu messages", prof), ("stdout", out.strip().splitlines()[:n]), ("stderr", err.strip().splitlines()[:n])]
+    return "\n".join(f"    [{name}] {ln}" for name, lines in parts for ln in lines)
+
+
+def part_ncu(args) -> dict:
+    """Device time per kernel from Nsight Compute (`gpu__time_duration.sum`), launch overhead excluded."""
+    target = Path(__file__).resolve().with_name("ncu_target.py")
+    ncu = args.ncu or shutil.which("ncu")
+    reps = 5 if args.quick else 20
+    if args.device.type != "cuda" or not ncu:
+        reason = "--device cpu" if args.device.type != "cuda" else "ncu is not on PATH (pass --ncu PATH)"
+        log(f"  SKIPPED: {reason}: no kernel device times from Nsight Compute")
+        res: dict = {"skipped": reason}
+        if args.device.type == "cpu":  # still smoke-test the target program, without a profiler
+            with tempfile.TemporaryDirectory() as tmp:
+                manifest = Path(tmp) / "manifest.json"
+                cmd = [sys.executable, str(target), "--device", "cpu", "--reps", "2", "--warmup", "1",
+                       "--burst-requests", "8", "--burst-ids", "16", "--manifest", str(manifest)]  # fmt: skip
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if proc.returncode:
+                    raise RuntimeError(f"ncu_target.py on CPU exited {proc.returncode}:\n{proc.stdout}{proc.stderr}")
+                seq = json.loads(manifest.read_text())["sequence"]
+                res["target_smoke"] = [(s["label"], s["launches"]) for s in seq]
+                log(f"  ncu_target.py smoke test on CPU (no profiler): {res['target_smoke']}")
+        return res
+    version = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60)
+    log(f"  {ncu}: {' '.join(version.stdout.split()[-3:])}")
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = Path(tmp) / "manifest.json"
+        cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
+               "--kernel-name", f"regex:{NCU_KERNEL_REGEX}", "--profile-from-start", "off",
+               sys.executable, str(target), "--device", str(args.device), "--reps", str(reps),
+               "--manifest", str(manifest)]  # fmt: skip
+        log("  " + shlex.join(cmd))
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        timed_out = False
+        try:
+            out, err = proc.communicate(timeout=NCU_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # ncu and the target it started (its own session)
+            out, err = proc.communicate()
+        seconds = time.perf_counter() - t0
+        log_text = f"$ {shlex.join(cmd)}\n== stdout\n{out[-2_000_000:]}\n== stderr\n{err[-200_000:]}\n"
+        (OUT / "ncu.log").write_text(log_text)
+        head = _head(out, err)
+        if timed_out or proc.returncode:
+            why = f"timed out after {NCU_TIMEOUT_S} s" if timed_out else f"exited {proc.returncode}"
+            log(f"  ncu {why}; first lines of its output:\n{head}")
+            raise RuntimeError(f"ncu {why} (see ncu.log)")
+        try:
+            man = json.loads(manifest.read_text())
+            kernels = parse_ncu_csv(out)
+            res = assign_ncu_rows(kernels, man)
+        except (OSError, ValueError, KeyError) as exc:
+            log(f"  cannot read ncu's results ({type(exc).__name__}: {exc}); first lines of its output:\n{head}")
+            raise RuntimeError(f"ncu output not understood: {exc} (see ncu.log)") from None
+    res["seconds"] = round(seconds, 1)
+    res["command"] = shlex.join(cmd)
+    res["cache_control"] = "all (ncu default: caches flushed before each kernel)"
+    for label, v in res.items():
+        if isinstance(v, dict):
+            extra = f", {v['writes']} writes, {v['values']} values" if "writes" in v else ""
+            log(f"  ncu {label}: median {v['median_us']:.2f} us (min {v['min_us']:.2f}, max {v['max_us']:.2f}) over "
+                f"{v['applies']} applies; grid {','.join(v['grids'])}{extra}")  # fmt: skip
+    if res["extra_kernels_before_range"]:
+        log(f"  note: {res['extra_kernels_before_range']} kernels before the profiled range were reported too "
+            "(--profile-from-start off ignored?); the last ones were used")  # fmt: skip
+    for label in ("decode-G3-C40", "decode-G3-C256"):
+        us = res[label]["median_us"]
+        log(f"  goal: kernel device time of a decode step <= 5 us: {label} {us:.2f} us: "
+            + ("met" if us <= 5.0 else f"missed by {us / 5.0:.2f}x"))  # fmt: skip
+    return res
+
+
 PARTS = {
     "install": part_install, "tests": part_tests, "race": part_race, "streams": part_streams,
-    "realloc": part_realloc, "replay": part_replay, "timing": part_timing,
+    "realloc": part_realloc, "replay": part_replay, "timing": part_timing, "ncu": part_ncu,
 }  # fmt: skip
 
 
@@ -627,6 +816,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (interpreter smoke test)")
     ap.add_argument("--quick", action="store_true", help="small iteration counts (smoke test)")
+    ap.add_argument("--ncu", default=None, help="path of Nsight Compute's ncu (default: ncu on PATH)")
     args = ap.parse_args(argv)
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and args.device.index is None:
@@ -680,6 +870,12 @@ def _summary() -> None:
                 f"{v['apply_x_empty']:.2f}x")  # fmt: skip
         for k, v in timing.get("device", {}).items():
             log(f"  device (CUDA events behind a sleep) {k}: {v:.3f}" if isinstance(v, float) else f"  device {k}: {v}")
+    ncu = parts.get("ncu", {}).get("result")
+    if ncu and not ncu.get("skipped"):
+        log("  device time per kernel from ncu (gpu__time_duration.sum, --clock-control none):")
+        for k, v in ncu.items():
+            if isinstance(v, dict):
+                log(f"    {k}: median {v['median_us']:.2f} us (min {v['min_us']:.2f}) over {v['applies']} applies")
 
 
 if __name__ == "__main__":
