@@ -25,7 +25,8 @@ enum {
     CTX_MAX_REQS = 5,
     CTX_GROUPS = 6,
     CTX_GENERATION = 7, /* the arena's `generation` the addresses above belong to */
-    CTX_GROUP0 = 8,     /* per group: k, width, max_id */
+    CTX_COUNTS_TABLE = 8, /* table index of num_blocks' [max_num_reqs, num_groups] view, or -1 */
+    CTX_GROUP0 = 9,       /* per group: k, width, max_id */
 };
 
 #define STATUS_GROW 1     /* not enough room in the arena: grow it and call again */
@@ -71,6 +72,11 @@ static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *
         writes_needed += 1;
         values_needed += (Py_ssize_t)c;
     }
+    const int64_t counts_table = ctx[CTX_COUNTS_TABLE];
+    if (counts_table >= 0 && writes_needed) { /* the request's new counts, one more row write */
+        writes_needed += 1;
+        values_needed += num_groups;
+    }
     if (w + writes_needed > ctx[CTX_META_CAP] || v + values_needed > ctx[CTX_VALUES_CAP])
         return STATUS_GROW;
 
@@ -106,13 +112,29 @@ static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *
         row[4] = (int32_t)v0;
         w1 += 1;
     }
+    if (counts_table >= 0 && w1 != w) {
+        int32_t *row = meta + 5 * w1;
+        row[0] = (int32_t)counts_table;
+        row[1] = (int32_t)req;
+        row[2] = 0;
+        row[3] = (int32_t)num_groups;
+        row[4] = (int32_t)v1;
+        for (Py_ssize_t g = 0; g < num_groups; g++)
+            values[v1++] = cells[g] >= 0 ? (int32_t)(starts[g] + cells[g]) : num_blocks[g * max_reqs + req];
+        w1 += 1;
+    }
 
     /* Pass 3: commit (overlap keys, num_blocks). Nothing below can fail but the set insertion. */
     int overlapped = 0;
-    for (Py_ssize_t g = 0; g < num_groups; g++) {
-        if (cells[g] < 0)
+    for (Py_ssize_t g = 0; g <= num_groups; g++) {
+        long long table = g;
+        if (g == num_groups) { /* the counts row */
+            if (counts_table < 0 || w1 == w)
+                break;
+            table = counts_table;
+        } else if (cells[g] < 0)
             continue;
-        PyObject *key = PyLong_FromLongLong((req << 16) | (long long)g);
+        PyObject *key = PyLong_FromLongLong((req << 16) | table);
         if (key == NULL)
             return -1;
         int seen = PySet_Contains(rows_seen, key);

@@ -46,8 +46,8 @@ class BlockTables:
         num_blocks: host int32 numpy array `[num_groups, max_num_reqs]`: kernel blocks held per request
             and group, updated at staging time.
         num_blocks_device: int32 tensor `[num_groups, max_num_reqs]` on `device`: `num_blocks` as of the
-            last `apply_staged_writes()` (on a GPU it travels in the same kernel launch as the tables, as
-            one more write; on CPU it is copied once per apply).
+            last `apply_staged_writes()`: each `append_block_ids` stages the request's new counts as one
+            more write, applied by the same backend call (the same kernel launch on a GPU).
 
     Raises:
         StagedWriteError: list lengths that differ from the number of groups, a block size not divisible
@@ -97,18 +97,12 @@ class BlockTables:
             for g, (w, k) in enumerate(zip(widths, self.kernel_blocks_per_block))
         ]
         self.num_blocks = np.zeros((num_groups, R), dtype=np.int32)
-        self._applied_num_blocks = self.num_blocks.copy()
         self.num_blocks_device = storage[offsets[-1] :].view(num_groups, R)
-        # num_blocks travels as one more write of the same apply: the whole array, as one row.
-        self._num_blocks_staged = StagedWriteTensor._attach(
-            self.num_blocks_device.view(1, num_groups * R), "num_blocks", 1, self._arena
-        )
-        self._num_blocks_flat = self.num_blocks.reshape(-1)
+        # Each append_block_ids stages one more write: the request's new counts, as row `req` of
+        # num_blocks' transposed [max_num_reqs, num_groups] view, applied by the same backend call.
+        self._num_blocks_staged = StagedWriteTensor._attach(self.num_blocks_device.t(), "num_blocks", 1, self._arena)
         self._num_blocks_view = self.num_blocks.data
         self._num_blocks_dirty = False
-        self._num_blocks_host_view = (
-            self.num_blocks_device.numpy() if self.num_blocks_device.device.type == "cpu" else None
-        )
         self._all = [*self.block_tables, self._num_blocks_staged]
         self._writer = FusedStagedWriter(self.block_tables[0].device, backend)
         self._widths = widths
@@ -116,11 +110,13 @@ class BlockTables:
         self._groups = [(k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(self.kernel_blocks_per_block, widths)]
         # int64 context of the compiled path: arena and num_blocks addresses and sizes, then per group
         # (k, width, max id); see multiwrite/_cstaging.c.
-        self._context = np.zeros(8 + 3 * num_groups, dtype=np.int64)
+        self._context = np.zeros(9 + 3 * num_groups, dtype=np.int64)
         self._context[6] = num_groups
-        self._context[8:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
+        self._context[9:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
         self._context[4] = self.num_blocks.ctypes.data
         self._context[5] = self.max_num_reqs
+        self._counts_table = num_groups  # the num_blocks view's table index in the arena
+        self._context[8] = self._counts_table
         self._context_addr = self._context.ctypes.data
         self._context_view = self._context.data  # int64 stores without numpy scalar overhead
         self._refresh_context()
@@ -199,8 +195,8 @@ class BlockTables:
         w = w0 = arena.num_writes
         v = v0 = arena.num_values
         may_overlap0 = arena.may_overlap
-        if w + len(groups) > arena.meta.shape[0]:
-            arena.reserve(len(groups), 0)
+        if w + len(groups) + 1 > arena.meta.shape[0]:
+            arena.reserve(len(groups) + 1, 0)
         pack, meta = arena.pack_meta, arena.meta_bytes
         seen = arena.rows_seen
         counts = []
@@ -263,12 +259,31 @@ class BlockTables:
             describe = self._describer(g, req, start)
             _checked_values(new_block_ids[g], np.int32, describe)  # raises, naming the offending value
             raise StagedWriteError(f"{describe(len(new_block_ids[g]))}: {exc}") from None
-        if w != w0:
-            arena.num_writes = w
-            arena.num_values = v
-            self._num_blocks_dirty = True
-            for i in range(0, len(counts), 2):
-                num_blocks[counts[i + 1], req] = counts[i]
+        if w == w0:
+            return
+        counts_table = self._counts_table
+        # the request's new counts: one more write, row `req` of num_blocks.T
+        new_counts = [num_blocks[g, req] for g in range(len(groups))]
+        for i in range(0, len(counts), 2):
+            new_counts[counts[i + 1]] = counts[i]
+        if v + len(groups) > arena.values.shape[0]:
+            arena.reserve(0, v - v0 + len(groups))
+        flat = arena.values_flat
+        for i, c in enumerate(new_counts, v):
+            flat[i] = c
+        arena.pack_meta(arena.meta_bytes, w * _META_BYTES, counts_table, req, 0, len(groups), v)
+        w += 1
+        v += len(groups)
+        key = row_key | counts_table
+        if key in seen:
+            arena.may_overlap = True
+        else:
+            seen.add(key)
+        arena.num_writes = w
+        arena.num_values = v
+        self._num_blocks_dirty = True
+        for i in range(0, len(counts), 2):
+            num_blocks[counts[i + 1], req] = counts[i]
 
     def _raise_bad_id(self, g: int, req: int, start: int, n: int, bad: int) -> None:
         k = self._groups[g][0]
@@ -292,23 +307,16 @@ class BlockTables:
 
         On a GPU this enqueues one kernel launch on the current stream and returns without waiting.
         """
-        if self._num_blocks_host_view is not None:
-            # CPU tables: the device copy is host memory too, and one memcpy beats a scatter of it.
-            self._writer.apply(self._all)
-            if self._num_blocks_dirty:
-                np.copyto(self._num_blocks_host_view, self.num_blocks)
-                self._num_blocks_dirty = False
-        else:
-            if self._num_blocks_dirty:
-                self._arena.push(len(self._groups), 0, 0, self._num_blocks_flat, self._num_blocks_flat.shape[0])
-                self._num_blocks_dirty = False
-            self._writer.apply(self._all)
-        np.copyto(self._applied_num_blocks, self.num_blocks)
+        self._writer.apply(self._all)
+        self._num_blocks_dirty = False
 
     def clear_staged_writes(self) -> None:
-        """Drop every staged write and restore `num_blocks` to its value at the last apply."""
+        """Drop every staged write and restore `num_blocks` to its value at the last apply.
+
+        On a GPU this reads `num_blocks_device` back (a synchronizing copy).
+        """
         self._arena.clear()
-        np.copyto(self.num_blocks, self._applied_num_blocks)
+        np.copyto(self.num_blocks, self.num_blocks_device.cpu().numpy())
         self._num_blocks_dirty = False
 
     def __repr__(self) -> str:

@@ -71,8 +71,8 @@ def test_multi_group_apply_reaches_backend_as_one_call(staging, backend, monkeyp
     assert len(calls[0]) == 1  # one dtype, so one batch
     batch = calls[0][0]
     assert len(batch.tables) == 5  # four groups and num_blocks
-    # num_blocks rides in the same launch on a GPU; CPU tables get it by one memcpy instead
-    assert batch.num_writes == 4 * 4 + (backend.device.type != "cpu")
+    # per request: one write per group, and its new num_blocks column, all in the same backend call
+    assert batch.num_writes == 4 * 4 + 4
     assert host(bt.num_blocks_device)[:, 3].tolist() == [1, 2, 2, 1]
     assert host(bt[3].tensor)[:, 0].tolist() == [30, 31, 32, 33]
     bt.apply_staged_writes()  # nothing staged: the backend is not called at all
