@@ -756,7 +756,8 @@ def part_ncu(args) -> dict:
     log(f"  {ncu}: {' '.join(version.stdout.split()[-3:])}")
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / "manifest.json"
-        cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
+        cmd = [ncu, "--clock-control", "none", "--cache-control", args.ncu_cache_control,
+               "--metrics", "gpu__time_duration.sum", "--csv",
                "--kernel-name", f"regex:{NCU_KERNEL_REGEX}", "--profile-from-start", "off",
                sys.executable, str(target), "--device", str(args.device), "--reps", str(reps),
                "--manifest", str(manifest)]  # fmt: skip
@@ -788,7 +789,12 @@ def part_ncu(args) -> dict:
             raise RuntimeError(f"ncu output not understood: {exc} (see ncu.log)") from None
     res["seconds"] = round(seconds, 1)
     res["command"] = shlex.join(cmd)
-    res["cache_control"] = "all (ncu default: caches flushed before each kernel)"
+    res["cache_control"] = (
+        "all (ncu default: caches flushed before each kernel)"
+        if args.ncu_cache_control == "all"
+        else "none (caches kept warm between kernels, as in a serving loop)"
+    )
+    log(f"  cache control: {res['cache_control']}")
     for label, v in res.items():
         if isinstance(v, dict):
             extra = f", {v['writes']} writes, {v['values']} values" if "writes" in v else ""
@@ -817,6 +823,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (interpreter smoke test)")
     ap.add_argument("--quick", action="store_true", help="small iteration counts (smoke test)")
     ap.add_argument("--ncu", default=None, help="path of Nsight Compute's ncu (default: ncu on PATH)")
+    ap.add_argument(
+        "--ncu-cache-control", default="all", choices=["all", "none"],
+        help="ncu --cache-control: all (flush caches before each kernel, the default) or none (warm caches)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and args.device.index is None:
