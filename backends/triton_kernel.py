@@ -35,6 +35,8 @@ DO_NOT_SPECIALIZE = (
 )  # fmt: skip
 #: int64 columns of one descriptor row: base address, row stride, column stride (elements), rows, columns.
 DESC_COLUMNS = 5
+#: Tables whose descriptors every program loads up front (more tables: one dependent load per write).
+MAX_PRELOADED_TABLES: tl.constexpr = tl.constexpr(8)
 TL_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float32: tl.float32}
 
 
@@ -73,6 +75,17 @@ def _write_kernel_fn(
     lanes_w = tl.arange(0, BLOCK_W)
     lanes_l = tl.arange(0, BLOCK_L)
     multi = num_rounds > 1
+    # Descriptors of up to MAX_PRELOADED_TABLES tables, loaded once per program, before any write is known: each
+    # write then picks its table's fields with a one-hot reduction instead of a dependent memory load.
+    lanes_t = tl.arange(0, MAX_PRELOADED_TABLES)
+    few = num_tables <= MAX_PRELOADED_TABLES
+    t_ok = lanes_t < num_tables
+    d_all = desc + lanes_t.to(tl.int64) * 5
+    base_all = tl.load(d_all + 0, mask=t_ok, other=0)
+    row_stride_all = tl.load(d_all + 1, mask=t_ok, other=0)
+    col_stride_all = tl.load(d_all + 2, mask=t_ok, other=0)
+    rows_all = tl.load(d_all + 3, mask=t_ok, other=0)
+    cols_all = tl.load(d_all + 4, mask=t_ok, other=0)
     # Rounds (only with overlapping writes, launched as one program): round r's writes land before r+1's.
     for r in range(0, num_rounds):
         w_begin = tl.load(bounds + r, mask=multi, other=0, cache_modifier=".cv")
@@ -87,12 +100,20 @@ def _write_kernel_fn(
             length = tl.load(m + 3, mask=live, other=0, cache_modifier=".cv")
             voff = tl.load(m + 4, mask=live, other=0, cache_modifier=".cv")
             live = live & (t >= 0) & (t < num_tables) & (row >= 0) & (start >= 0) & (length > 0)
-            d = desc + t.to(tl.int64) * 5
-            base = tl.load(d + 0, mask=live, other=0)
-            row_stride = tl.load(d + 1, mask=live, other=0)
-            col_stride = tl.load(d + 2, mask=live, other=0)
-            rows = tl.load(d + 3, mask=live, other=0)
-            cols = tl.load(d + 4, mask=live, other=0)
+            if few:
+                pick = t[:, None] == lanes_t[None, :]
+                base = tl.sum(tl.where(pick, base_all[None, :], 0), axis=1)
+                row_stride = tl.sum(tl.where(pick, row_stride_all[None, :], 0), axis=1)
+                col_stride = tl.sum(tl.where(pick, col_stride_all[None, :], 0), axis=1)
+                rows = tl.sum(tl.where(pick, rows_all[None, :], 0), axis=1)
+                cols = tl.sum(tl.where(pick, cols_all[None, :], 0), axis=1)
+            else:
+                d = desc + t.to(tl.int64) * 5
+                base = tl.load(d + 0, mask=live, other=0)
+                row_stride = tl.load(d + 1, mask=live, other=0)
+                col_stride = tl.load(d + 2, mask=live, other=0)
+                rows = tl.load(d + 3, mask=live, other=0)
+                cols = tl.load(d + 4, mask=live, other=0)
             live = live & (row.to(tl.int64) < rows)
             cells = tl.where(live, length, 0)
             dst = base.to(tl.pointer_type(VALUE_DTYPE)) + row.to(tl.int64) * row_stride
@@ -106,13 +127,17 @@ def _write_kernel_fn(
                 tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
         tl.debug_barrier()
     # Completion: the last program to finish (all the others' slot reads are done) resets the counter
-    # and hands the slot back to the host.
+    # and hands the slot back to the host. A launch of one program needs no counter.
     tl.debug_barrier()
-    counter = counter_addr.to(tl.pointer_type(tl.int32))
-    finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    last = finished == n_w * n_s - 1
-    tl.atomic_xchg(counter, 0, mask=last, sem="acq_rel", scope="gpu")
-    tl.store(done_addr.to(tl.pointer_type(tl.int32)), token, mask=last, cache_modifier=".wt")
+    done = done_addr.to(tl.pointer_type(tl.int32))
+    if n_w * n_s == 1:
+        tl.store(done, token, cache_modifier=".wt")
+    else:
+        counter = counter_addr.to(tl.pointer_type(tl.int32))
+        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        last = finished == n_w * n_s - 1
+        tl.atomic_xchg(counter, 0, mask=last, sem="acq_rel", scope="gpu")
+        tl.store(done, token, mask=last, cache_modifier=".wt")
 
 
 #: The runtime kernel (an `InterpretedFunction` when TRITON_INTERPRET was set at import).
@@ -143,21 +168,21 @@ class LaunchParams(NamedTuple):
 
 
 def cuda_launch_params() -> LaunchParams:
-    """NVIDIA: 4 warps of 32 lanes, tiles of 4 writes x 256 cells (64 registers on sm_90, no spills;
-    8-write tiles need 168)."""
-    return LaunchParams(num_warps=4, warp_size=32, block_w=4, block_l=256, max_splits=64)
+    """NVIDIA: 4 warps of 32 lanes, tiles of 16 writes x 64 cells: a decode step of up to 16 writes is
+    one program (no completion counter), each row still loads as 256 contiguous bytes; no spills."""
+    return LaunchParams(num_warps=4, warp_size=32, block_w=16, block_l=64, max_splits=64)
 
 
 def rocm_launch_params(warp_size: int = 64) -> LaunchParams:
     """AMD: 256 lanes per program whatever the wavefront (4 wavefronts of 64 on CDNA, 8 of 32 on RDNA),
-    tiles of 4 writes x 256 cells: one element per lane per row, so each row loads as whole 64-lane runs.
+    tiles of 16 writes x 64 cells: each row loads as one whole 64-lane run.
 
     Raises:
         ValueError: a wavefront size other than 32 or 64.
     """
     if warp_size not in (32, 64):
         raise ValueError(f"wavefront size {warp_size} (supported: 32, 64)")
-    params = LaunchParams(num_warps=256 // warp_size, warp_size=warp_size, block_w=4, block_l=256, max_splits=64)
+    params = LaunchParams(num_warps=256 // warp_size, warp_size=warp_size, block_w=16, block_l=64, max_splits=64)
     assert params.num_warps * params.warp_size <= 1024
     return params
 
