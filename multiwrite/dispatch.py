@@ -28,13 +28,16 @@ _load_errors: dict[str, str] = {}
 class BackendStatus:
     """One registered backend as the dispatcher sees it for a device.
 
-    `backend` is None when its plugin failed to load; `reasons` is empty when it can run.
+    `backend` is None when its plugin failed to load; `reasons` is empty when it can run. `taken_by` is
+    set (to the `module.Class` of the backend that owns the name) when another backend already has this
+    backend's name: such a backend is listed, with that as its reason, but never selected.
     """
 
     name: str
     backend: Backend | None
     priority: int
     reasons: list[str] = field(default_factory=list)
+    taken_by: str | None = None
 
     @property
     def available(self) -> bool:
@@ -45,29 +48,48 @@ class BackendStatus:
 def get_plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, with every plugin of the `multiwrite` entry-point group loaded.
 
-    Each entry point is loaded through pluggy on its own, so that one plugin that fails to import is
-    recorded (its exception becomes its reason in `available_backends` and in dispatch errors) instead
-    of stopping the others or the host program. Plugins registered later with `register()` are seen by
-    the next `select_backend` call.
+    Each entry point is loaded and registered with pluggy on its own, so that one plugin that fails to
+    import is recorded (its exception becomes its reason in `available_backends` and in dispatch errors)
+    instead of stopping the others or the host program. The built-in plugins load first and keep their
+    entry-point names as plugin names; another entry point with a name already in use is registered as
+    `"name (target)"` (its target: `module` or `module:attr`) rather than skipped. Plugins registered
+    later with `register()` are seen by the next `select_backend` call.
     """
     global _plugin_manager
     with _lock:
         if _plugin_manager is None:
             pm = pluggy.PluginManager("multiwrite")
             pm.add_hookspecs(hookspecs)
-            for ep in entry_points(group="multiwrite"):
+            eps = sorted(entry_points(group="multiwrite"), key=lambda ep: not _is_builtin_module(ep.module))
+            for ep in eps:
+                name = ep.name
+                if pm.has_plugin(name) or name in _load_errors:
+                    name = f"{ep.name} ({ep.value})"
                 try:
-                    pm.load_setuptools_entrypoints("multiwrite", name=ep.name)
+                    plugin = ep.load()
+                    if not pm.is_registered(plugin):  # two entry points may name one module
+                        pm.register(plugin, name=name)
                 except Exception as exc:  # a broken plugin must never crash the host program
-                    _load_errors[ep.name] = f"plugin {ep.value!r} failed to load: {type(exc).__name__}: {exc}"
+                    _load_errors[name] = f"plugin {ep.value!r} failed to load: {type(exc).__name__}: {exc}"
             _plugin_manager = pm
         return _plugin_manager
 
 
+def _is_builtin_module(module: str) -> bool:
+    return module == "multiwrite.backends" or module.startswith("multiwrite.backends.")
+
+
+def _qualname(backend: Backend) -> str:
+    cls = type(backend)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _registered() -> tuple[list[Backend], dict[str, str]]:
-    """All backends the plugins provide, and {name: reason} for plugins that failed."""
+    """All backends the plugins provide (each instance once, in registration order), and
+    {name: reason} for plugins that failed."""
     pm = get_plugin_manager()
     backends: list[Backend] = []
+    seen: set[int] = set()
     failures = dict(_load_errors)
     for impl in pm.hook.multiwrite_backends.get_hookimpls():
         try:
@@ -79,8 +101,22 @@ def _registered() -> tuple[list[Backend], dict[str, str]]:
             if not isinstance(backend, Backend) or not backend.NAME:
                 failures[impl.plugin_name] = f"multiwrite_backends() returned {backend!r}, not a named Backend"
                 continue
-            backends.append(backend)
+            if id(backend) not in seen:
+                seen.add(id(backend))
+                backends.append(backend)
     return backends, failures
+
+
+def _name_owners(backends: list[Backend]) -> dict[str, Backend]:
+    """{name: the backend that owns it}: a built-in backend (class defined under `multiwrite.backends`)
+    keeps its name; otherwise the first backend seen with a name owns it."""
+    owners: dict[str, Backend] = {}
+    for b in backends:
+        if _is_builtin_module(type(b).__module__):
+            owners.setdefault(b.NAME, b)
+    for b in backends:
+        owners.setdefault(b.NAME, b)
+    return owners
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -96,13 +132,22 @@ def available_backends(
     """Every registered backend with the reasons it cannot run on `device` (empty: it can).
 
     Sorted best first: available before unavailable, then by priority. Plugins that failed to load are
-    listed with their exception as the reason.
+    listed with their exception as the reason. Names are unique among the backends that can be
+    selected: a backend whose name another already owns (see `_name_owners`) is listed as unavailable,
+    with `taken_by` set and the reason "backend name 'X' is already taken by module.Class".
     """
     device = _device(device)
     dtypes = tuple(dtypes)
     backends, failures = _registered()
+    owners = _name_owners(backends)
     out = []
     for b in backends:
+        owner = owners[b.NAME]
+        if owner is not b:
+            taken_by = _qualname(owner)
+            reason = f"backend name {b.NAME!r} is already taken by {taken_by}"
+            out.append(BackendStatus(b.NAME, b, b.PRIORITY, [reason], taken_by))
+            continue
         try:
             reasons = b.not_supported_reasons(device, dtypes)
             prio = b.priority(device)
@@ -130,7 +175,8 @@ def select_backend(
         name: force this backend; if None, `$MULTIWRITE_BACKEND` forces one when set and non-empty.
         dtypes: the table dtypes it must support.
 
-    With nothing forced, the highest-priority backend with no reasons wins.
+    With nothing forced, the highest-priority backend with no reasons wins. A name always means the
+    backend that owns it (see `available_backends`), never another backend registered under it.
 
     Raises:
         BackendUnavailableError: an unknown name (the message lists the registered names); a forced
@@ -143,9 +189,9 @@ def select_backend(
     statuses = available_backends(device, dtypes)
     what = f"device={device}" + (f", dtypes={[str(d).removeprefix('torch.') for d in dtypes]}" if dtypes else "")
     if forced:
-        match = [s for s in statuses if s.name == forced]
+        match = [s for s in statuses if s.name == forced and s.taken_by is None]
         if not match:
-            names = ", ".join(sorted(s.name for s in statuses)) or "none"
+            names = ", ".join(sorted({s.name for s in statuses})) or "none"
             source = "backend=" if name else f"${BACKEND_ENV}="
             raise BackendUnavailableError(f"unknown backend {source}{forced!r}; registered backends: {names}")
         status = match[0]

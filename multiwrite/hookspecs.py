@@ -34,5 +34,10 @@ def multiwrite_backends() -> list[Backend]:
     SDK) lazily inside the backend, so that a missing dependency becomes one of its
     `not_supported_reasons` instead of an import error. An exception raised here is caught and reported
     as the plugin's reason; it never reaches the host program.
+
+    Give each backend a `NAME` of its own: names are unique. A built-in backend (defined under
+    `multiwrite.backends`) keeps its name, otherwise the first backend registered with a name keeps it;
+    any other backend with that name is listed by `available_backends` as unavailable ("backend name
+    'X' is already taken by module.Class") and is never selected, not even when forced by name.
     """
     raise NotImplementedError  # a specification: plugins implement it

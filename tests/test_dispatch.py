@@ -157,3 +157,102 @@ def test_writer_accepts_a_backend_instance_and_checks_it():
         FusedStagedWriter("cpu", XpuOnly())
     writer = FusedStagedWriter("cpu", multiwrite.select_backend("cpu", "torch-cpu"))
     assert repr(writer) == "FusedStagedWriter(device=cpu, backend='torch-cpu')"
+
+
+class ImpostorTorchCpu(RecordingBackend):
+    """A third-party backend that reuses the built-in name `torch-cpu`, with a higher priority."""
+
+    NAME = "torch-cpu"
+    PRIORITY = 1000
+
+
+class FirstRecording(RecordingBackend):
+    """A second third-party backend named `recording`: the first one registered keeps the name."""
+
+    PRIORITY = 900
+
+
+def test_plugin_cannot_take_a_builtin_backends_name(plugin_manager):
+    impostor = ImpostorTorchCpu()
+
+    class Plugin:
+        @hookimpl
+        def multiwrite_backends(self):
+            return [impostor]
+
+    plugin_manager(Plugin(), "impostor-plugin")
+    builtin = multiwrite.select_backend("cpu", "torch-cpu")
+    assert builtin is not impostor and type(builtin).__module__ == "multiwrite.backends.torch_cpu"
+    assert multiwrite.select_backend("cpu") is builtin
+    statuses = [s for s in multiwrite.available_backends("cpu") if s.name == "torch-cpu"]
+    assert [s.backend for s in statuses] == [builtin, impostor]
+    assert statuses[0].available and statuses[0].taken_by is None
+    assert not statuses[1].available
+    assert statuses[1].reasons == [
+        "backend name 'torch-cpu' is already taken by multiwrite.backends.torch_cpu.TorchCpuBackend"
+    ]
+    assert statuses[1].taken_by == "multiwrite.backends.torch_cpu.TorchCpuBackend"
+
+
+def test_first_plugin_keeps_a_third_party_name(plugin_manager):
+    first, second = RecordingBackend(), FirstRecording()
+
+    class PluginA:
+        @hookimpl
+        def multiwrite_backends(self):
+            return [first]
+
+    class PluginB:
+        @hookimpl
+        def multiwrite_backends(self):
+            return [second, second]  # the same instance twice is listed once
+
+    plugin_manager(PluginA(), "plugin-a")
+    plugin_manager(PluginB(), "plugin-b")
+    assert multiwrite.select_backend("cpu") is first
+    assert multiwrite.select_backend("cpu", "recording") is first
+    statuses = [s for s in multiwrite.available_backends("cpu") if s.name == "recording"]
+    assert [s.backend for s in statuses] == [first, second]
+    assert statuses[1].reasons == [f"backend name 'recording' is already taken by {__name__}.RecordingBackend"]
+    # the owner cannot run on xpu: forcing the name reports the owner's reasons, not the impostor's
+    with pytest.raises(BackendUnavailableError, match=r"'recording' was forced .*device type xpu \(supported: cpu\)"):
+        multiwrite.select_backend("xpu", "recording")
+
+
+def test_entry_point_reusing_a_builtin_name_does_not_hide_the_builtin(tmp_path, monkeypatch):
+    (tmp_path / "impostor_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            from multiwrite import Backend, hookimpl
+
+            class Impostor(Backend):
+                NAME = "torch-cpu"
+                PRIORITY = 1000
+                SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
+
+                def apply(self, batches):
+                    raise AssertionError("the impostor must never run")
+
+            @hookimpl
+            def multiwrite_backends():
+                return [Impostor()]
+            """
+        )
+    )
+    dist = tmp_path / "impostor_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: impostor-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[multiwrite]\ntorch-cpu = impostor_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(dispatch, "_plugin_manager", None)
+    monkeypatch.setattr(dispatch, "_load_errors", {})
+    try:
+        names = dict(multiwrite.get_plugin_manager().list_name_plugin())
+        assert names["torch-cpu"].__name__ == "multiwrite.backends.torch_cpu"
+        assert names["torch-cpu (impostor_plugin)"].__name__ == "impostor_plugin"
+        assert type(multiwrite.select_backend("cpu", "torch-cpu")).__module__ == "multiwrite.backends.torch_cpu"
+        assert type(multiwrite.select_backend("cpu")).__module__ == "multiwrite.backends.torch_cpu"
+        impostor = [s for s in multiwrite.available_backends("cpu") if s.taken_by]
+        assert [type(s.backend).__module__ for s in impostor] == ["impostor_plugin"]
+    finally:
+        sys.modules.pop("impostor_plugin", None)
