@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from multiwrite.dispatch import available_backends
+from multiwrite.dispatch import BACKEND_ENV, available_backends, select_backend
 from multiwrite.environment import environment, resolve_device
 from multiwrite.errors import BackendUnavailableError, StagedWriteError
 from multiwrite.workload import TraceError, load_trace
@@ -136,7 +137,11 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """Run `multiwrite info`; returns 0."""
+    """Run `multiwrite info`; returns 0.
+
+    Per device, the backend dispatch would pick is marked selected; when `$MULTIWRITE_BACKEND` forces one
+    that cannot run there, a line says so (with its reasons) and nothing is marked.
+    """
     cpu = torch.device("cpu")
     env = environment(cpu)
     print("multiwrite info")
@@ -157,15 +162,29 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"  cuda      no device (torch build: {build})")
     if len(devices) == 1:
         devices.append(torch.device("cuda"))  # say why the GPU backends cannot run here
+    forced = os.environ.get(BACKEND_ENV) or None
     for device in devices[:2]:
         print(f"backends for {device}:")
         statuses = available_backends(device)
-        chosen = next((s.name for s in statuses if s.available), None)
+        try:
+            chosen = select_backend(device)  # exactly what dispatch does, $MULTIWRITE_BACKEND included
+        except BackendUnavailableError:
+            chosen = None
         for s in statuses:
             state = "available" if s.available else "unavailable: " + "; ".join(s.reasons)
-            mark = "  <- selected" if s.name == chosen else ""
+            mark = ""
+            if chosen is not None and s.name == chosen.NAME and s.taken_by is None:  # names are unique
+                mark = f"  <- selected (forced by ${BACKEND_ENV})" if forced else "  <- selected"
             priority = f"{s.priority:>4}" if s.backend is not None else "   -"
             print(f"  {s.name:<12} priority {priority}  {state}{mark}")
+        if forced and chosen is None:
+            owner = next((s for s in statuses if s.name == forced and s.taken_by is None), None)
+            if owner is None:
+                names = ", ".join(sorted({s.name for s in statuses}))
+                why = f"no backend of that name is registered (registered: {names})"
+            else:
+                why = "; ".join(owner.reasons)
+            print(f"  forced by ${BACKEND_ENV}={forced}: cannot run: {why}")
     return 0
 
 

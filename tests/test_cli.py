@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import multiwrite
+from multiwrite import Backend, hookimpl
 from multiwrite.cli import main
 
 SMALL = "tests/data/small_trace.csv"
@@ -115,6 +117,68 @@ def test_info_lists_every_backend(capsys):
     assert "torch-cpu" in out and "<- selected" in out
     assert "triton-cuda" in out and "triton-rocm" in out
     assert "versions  multiwrite 0.1.0" in out
+
+
+class _LowPriorityCpu(Backend):
+    NAME = "low-cpu"
+    PRIORITY = -100
+    SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
+
+    def apply(self, batches):
+        raise AssertionError("never applied here")
+
+
+class _XpuOnly(Backend):
+    NAME = "xpu-only"
+    PRIORITY = 500
+    SUPPORTED_DEVICE_TYPES = frozenset({"xpu"})
+
+    def apply(self, batches):
+        raise AssertionError("never applied here")
+
+
+@pytest.fixture
+def extra_backends():
+    class Plugin:
+        @hookimpl
+        def multiwrite_backends(self):
+            return [_LowPriorityCpu(), _XpuOnly()]
+
+    pm = multiwrite.get_plugin_manager()
+    plugin = Plugin()
+    pm.register(plugin, name="test-cli-extra")
+    yield
+    pm.unregister(plugin)
+
+
+def _section(out: str, device: str) -> list[str]:
+    lines = out.splitlines()
+    start = lines.index(f"backends for {device}:") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("backends for ")), len(lines))
+    return lines[start:end]
+
+
+def test_info_marks_the_forced_backend_selected(capsys, monkeypatch, extra_backends):
+    monkeypatch.setenv("MULTIWRITE_BACKEND", "low-cpu")
+    assert main(["info"]) == 0
+    cpu = _section(capsys.readouterr().out, "cpu")
+    selected = [line for line in cpu if "<- selected" in line]
+    assert len(selected) == 1
+    assert selected[0].lstrip().startswith("low-cpu") and "forced by $MULTIWRITE_BACKEND" in selected[0]
+
+
+def test_info_says_the_forced_backend_cannot_run(capsys, monkeypatch, extra_backends):
+    monkeypatch.setenv("MULTIWRITE_BACKEND", "xpu-only")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    cpu = _section(out, "cpu")
+    assert not any("<- selected" in line for line in cpu)
+    assert "  forced by $MULTIWRITE_BACKEND=xpu-only: cannot run: device type cpu (supported: xpu)" in cpu
+    monkeypatch.setenv("MULTIWRITE_BACKEND", "nope")
+    assert main(["info"]) == 0
+    cpu = _section(capsys.readouterr().out, "cpu")
+    assert not any("<- selected" in line for line in cpu)
+    assert any(line.startswith("  forced by $MULTIWRITE_BACKEND=nope: cannot run: no backend") for line in cpu)
 
 
 def test_console_script_runs_as_a_module():
