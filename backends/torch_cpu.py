@@ -8,6 +8,7 @@ the tensors' storage, which shares their memory.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -88,6 +89,8 @@ class TorchCpuBackend(Backend):
             if len(self._plans) >= 64:
                 self._plans.clear()
             plan = self._plans[key] = _Plan(batch.tables)
+            for t in batch.tables:  # a plan holds views of the storages: drop it when a table dies
+                weakref.finalize(t, self._plans.pop, key, None)
         return plan
 
     def apply(self, batches: Sequence[WriteBatch]) -> None:

@@ -49,9 +49,13 @@ class BlockTables:
             last `apply_staged_writes()`: each `append_block_ids` stages the request's new counts as one
             more write, applied by the same backend call (the same kernel launch on a GPU).
 
+    `block_tables[g]` gives group `g`'s table; staging or clearing through it directly bypasses the
+    `num_blocks` bookkeeping, so use `append_block_ids` and `clear_staged_writes` here. Resize tables
+    only by replacing `.tensor`. Not thread-safe: one thread at a time.
+
     Raises:
         StagedWriteError: list lengths that differ from the number of groups, a block size not divisible
-            by its kernel block size, non-positive sizes.
+            by its kernel block size, sizes that are not positive integers.
     """
 
     def __init__(
@@ -63,29 +67,37 @@ class BlockTables:
         kernel_block_sizes: Sequence[int] | None = None,
         backend: str | Backend | None = None,
     ):
+        def ints(what: str, seq: Sequence[int]) -> list[int]:
+            try:
+                values = [operator.index(x) for x in seq]
+            except TypeError:
+                raise StagedWriteError(f"BlockTables: {what} must be integers, got {list(seq)!r}") from None
+            if any(x < 1 for x in values):
+                raise StagedWriteError(f"BlockTables: {what} must be >= 1, got {values}")
+            return values
+
         num_groups = len(block_sizes)
-        kernel_block_sizes = list(block_sizes if kernel_block_sizes is None else kernel_block_sizes)
         if num_groups == 0:
             raise StagedWriteError("BlockTables: at least one KV-cache group is needed")
+        self.block_sizes = ints("block_sizes", block_sizes)
+        self.kernel_block_sizes = ints(
+            "kernel_block_sizes", block_sizes if kernel_block_sizes is None else kernel_block_sizes
+        )
+        self.max_num_blocks_per_group = ints("max_num_blocks_per_group", max_num_blocks_per_group)
+        self.max_num_reqs = ints("max_num_reqs", [max_num_reqs])[0]
         for what, seq in (
-            ("max_num_blocks_per_group", max_num_blocks_per_group),
-            ("kernel_block_sizes", kernel_block_sizes),
+            ("max_num_blocks_per_group", self.max_num_blocks_per_group),
+            ("kernel_block_sizes", self.kernel_block_sizes),
         ):
             if len(seq) != num_groups:
                 raise StagedWriteError(f"BlockTables: {what} has {len(seq)} entries for {num_groups} KV-cache groups")
-        if max_num_reqs < 1:
-            raise StagedWriteError(f"BlockTables: max_num_reqs must be >= 1, got {max_num_reqs}")
-        self.block_sizes = [int(b) for b in block_sizes]
-        self.kernel_block_sizes = [int(b) for b in kernel_block_sizes]
-        self.max_num_reqs = int(max_num_reqs)
         self.kernel_blocks_per_block: list[int] = []
         for g, (bs, kbs) in enumerate(zip(self.block_sizes, self.kernel_block_sizes)):
-            if bs < 1 or kbs < 1 or bs % kbs:
+            if bs % kbs:
                 raise StagedWriteError(
                     f"BlockTables: group {g} block size {bs} is not a positive multiple of its kernel block size {kbs}"
                 )
             self.kernel_blocks_per_block.append(bs // kbs)
-        self.max_num_blocks_per_group = [int(m) for m in max_num_blocks_per_group]
         widths = [m * k for m, k in zip(self.max_num_blocks_per_group, self.kernel_blocks_per_block)]
         R = self.max_num_reqs
         # One allocation holds every table and num_blocks, so a CPU backend scatters into all of them at once.
@@ -174,12 +186,16 @@ class BlockTables:
     def _append_block_ids_python(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
         """`append_block_ids` without the compiled path: same checks, same staged data, precise errors."""
         groups = self._groups
+        if not isinstance(new_block_ids, Sequence):
+            new_block_ids = list(new_block_ids)  # a generator of per-group lists
         if len(new_block_ids) != len(groups):
             raise StagedWriteError(
                 f"append_block_ids: request row {req_index}: got block ids for {len(new_block_ids)} KV-cache "
                 f"groups, the tables have {len(groups)} (block sizes {self.block_sizes})"
             )
         req = req_index
+        if req.__class__ is bool:
+            raise StagedWriteError(f"append_block_ids: request row {req_index!r} must be an integer, not a bool")
         if type(req) is not int:
             try:
                 req = operator.index(req)
@@ -197,7 +213,7 @@ class BlockTables:
         may_overlap0 = arena.may_overlap
         if w + len(groups) + 1 > arena.meta.shape[0]:
             arena.reserve(len(groups) + 1, 0)
-        pack, meta = arena.pack_meta, arena.meta_bytes
+        pack = arena.pack_meta
         seen = arena.rows_seen
         counts = []
         row_key = req << 16
@@ -240,7 +256,7 @@ class BlockTables:
                     start = 0
                 else:
                     continue
-                pack(meta, w * _META_BYTES, g, req, start, cells, v)
+                pack(arena.meta_bytes, w * _META_BYTES, g, req, start, cells, v)  # after any reserve
                 w += 1
                 v += cells
                 key = row_key | g

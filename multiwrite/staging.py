@@ -37,6 +37,17 @@ SUPPORTED_DTYPES: dict[torch.dtype, type[np.generic]] = {
 
 _INT_LIMITS = {np.int32: (-(2**31), 2**31 - 1), np.int64: (-(2**63), 2**63 - 1)}
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = 2**31 - 1  # rows, starts and lengths travel as int32 metadata
+_TENSOR_VALUE_DTYPES = {
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float32,
+    torch.float64,
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -256,7 +267,14 @@ def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> t
                 f"{describe(values.numel())}: values are on {values.device}; stage host values "
                 "(a list, a numpy array or a CPU tensor)"
             )
+        if values.dtype not in _TENSOR_VALUE_DTYPES:
+            allowed = ", ".join(sorted(dtype_name(d) for d in _TENSOR_VALUE_DTYPES))
+            raise StagedWriteError(f"{describe(values.numel())}: values of dtype {values.dtype} (supported: {allowed})")
         values = values.detach().numpy()
+    if isinstance(values, (set, frozenset, dict)):
+        raise StagedWriteError(
+            f"{describe(len(values))}: values must be an ordered sequence, got a {type(values).__name__}"
+        )
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
             raise StagedWriteError(f"{describe(values.size)}: values must be 1-D, got shape {values.shape}")
@@ -334,6 +352,8 @@ class StagedWriteTensor:
     `.tensor` starts zero-filled. Staging never touches it; only `apply_write()` or a
     `FusedStagedWriter.apply` does.
 
+    Not thread-safe: stage and apply from one thread at a time (staging is a hot path with no lock).
+
     Raises:
         StagedWriteError: unsupported dtype, a size that is not 1-D or 2-D, `kernel_blocks_per_block < 1`.
     """
@@ -348,9 +368,12 @@ class StagedWriteTensor:
         kernel_blocks_per_block: int = 1,
     ):
         check_dtype(dtype, f"{name}")
-        shape = (size,) if isinstance(size, int) else tuple(int(s) for s in size)
-        if len(shape) not in (1, 2) or min(shape) < 0:
-            raise StagedWriteError(f"{name}: size must be (rows, columns) or n, got {size!r}")
+        try:
+            shape = (operator.index(size),) if not isinstance(size, Sequence) else tuple(map(operator.index, size))
+        except TypeError:
+            raise StagedWriteError(f"{name}: size must be integers (rows, columns) or n, got {size!r}") from None
+        if len(shape) not in (1, 2) or min(shape) < 0 or max(shape) > _INT32_MAX:
+            raise StagedWriteError(f"{name}: size must be (rows, columns) or n, each in [0, 2**31), got {size!r}")
         tensor = torch.zeros(shape, dtype=dtype, device=device)
         self._init(tensor, name, kernel_blocks_per_block, StagingArena(SUPPORTED_DTYPES[dtype]))
 
@@ -364,8 +387,16 @@ class StagedWriteTensor:
         return self
 
     def _init(self, tensor: torch.Tensor, name: str, k: int, arena: StagingArena) -> None:
-        if int(k) < 1:
+        try:
+            k = operator.index(k)
+        except TypeError:
+            raise StagedWriteError(f"{name}: kernel_blocks_per_block must be an integer, got {k!r}") from None
+        if k < 1:
             raise StagedWriteError(f"{name}: kernel_blocks_per_block must be >= 1, got {k}")
+        if k > 1 and tensor.dtype.is_floating_point:
+            raise StagedWriteError(
+                f"{name}: kernel block expansion (kernel_blocks_per_block={k}) needs an integer table"
+            )
         self.name = name
         self.kernel_blocks_per_block = int(k)
         self._user_tensor = tensor
@@ -378,13 +409,20 @@ class StagedWriteTensor:
     # -- the table ---------------------------------------------------------------------------------
     @property
     def tensor(self) -> torch.Tensor:
-        """The device tensor the writes land in, `[rows, columns]` (or `[n]` when built from an int)."""
+        """The device tensor the writes land in, `[rows, columns]` (or `[n]` when built from an int).
+
+        It may be replaced (`t.tensor = new`, e.g. after growing `max_num_reqs`): the new tensor must have
+        the same dtype and number of dimensions, and every staged write must fit its shape; backends see
+        the new storage at the next apply. Raises `StagedWriteError` otherwise, keeping the old tensor.
+        """
         return self._user_tensor
 
     @tensor.setter
     def tensor(self, new: torch.Tensor) -> None:
         # Replacing the table (for example after growing max_num_reqs) is allowed; writes already staged
         # must still fit, and the backends notice the new storage and never write through a stale pointer.
+        if not isinstance(new, torch.Tensor):
+            raise StagedWriteError(f"{self.name}: replacement must be a torch.Tensor, got {type(new).__name__}")
         old = self._table
         if new.dtype != old.dtype or new.dim() != self._user_tensor.dim():
             raise StagedWriteError(
@@ -392,6 +430,8 @@ class StagedWriteTensor:
                 f"got {new.dim()}-D {dtype_name(new.dtype)}"
             )
         table = new if new.dim() == 2 else new.view(-1, 1)
+        if table.numel() and max(table.shape) > _INT32_MAX:
+            raise StagedWriteError(f"{self.name}: replacement shape {tuple(new.shape)} has a size past 2**31 - 1")
         self.check_staged_fit((table.shape[0], table.shape[1]))
         self._user_tensor, self._table = new, table
         self._rows, self._cols = table.shape
@@ -438,15 +478,20 @@ class StagedWriteTensor:
                 value the dtype cannot hold. Nothing is staged then.
         """
         if type(index) is not int or type(start) is not int:
+            if index.__class__ is bool or start.__class__ is bool:
+                raise StagedWriteError(f"{self._describe(index, start, -1)}: row and start must be integers, not bools")
             try:
                 index, start = operator.index(index), operator.index(start)
             except TypeError:
                 raise StagedWriteError(f"{self._describe(index, start, -1)}: row and start must be integers") from None
-        fast = type(values) in (list, tuple) and self._np_dtype is not np.float32
+        # Short int lists are checked value by value by the memoryview stores; anything else here.
+        fast = type(values) in (list, tuple) and len(values) <= 8 and self._np_dtype is not np.float32
         if fast:
             n = len(values)
         else:
             values, n = _checked_values(values, self._np_dtype, lambda n: self._describe(index, start, n))
+        if self._table.shape != (self._rows, self._cols):  # resized in place: check against the new shape
+            self._rows, self._cols = self._table.shape
         if not 0 <= index < self._rows:
             raise StagedWriteError(f"{self._describe(index, start, n)}: row {index} is outside [0, {self._rows})")
         if start < 0:
@@ -487,7 +532,9 @@ class StagedWriteTensor:
         """
         from multiwrite.writer import FusedStagedWriter
 
-        FusedStagedWriter.default_for(self.device).apply([self])
+        writer = FusedStagedWriter.default_for(self.device)
+        writer.apply([self])
+        writer.forget()  # the shared writer must not keep this table alive
 
     def clear_staged_writes(self) -> None:
         """Drop this table's staged writes without applying them."""

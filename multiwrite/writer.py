@@ -12,6 +12,7 @@ from multiwrite.dispatch import _device, select_backend
 from multiwrite.errors import StagedWriteError
 from multiwrite.staging import META_TABLE, META_VALUE_OFFSET, StagedWriteTensor, StagingArena, dtype_name
 
+_SHAPE = torch.Tensor.size
 _default_writers: dict[torch.device, FusedStagedWriter] = {}
 
 
@@ -23,6 +24,8 @@ class FusedStagedWriter:
             device at construction).
         backend: a backend name or instance to force; None picks the best available backend for the
             device (or `$MULTIWRITE_BACKEND` when set).
+
+    Not thread-safe: one thread at a time per writer and per table.
 
     Raises:
         BackendUnavailableError: no backend can run on `device`, or the forced one cannot.
@@ -41,7 +44,7 @@ class FusedStagedWriter:
             self.backend = backend
         else:
             self.backend = select_backend(self.device, backend)
-        # (tensors, len, arena, layout_version, tables) of the last apply, for the repeat fast path
+        # (tensors, arena, layout_version, tables, shapes) of the last apply, for the repeat fast path
         self._fast: tuple | None = None
 
     @classmethod
@@ -65,13 +68,18 @@ class FusedStagedWriter:
                 staged writes. Raised before anything is written; every staged write stays staged.
         """
         fast = self._fast
-        if fast is not None and fast[0] is tensors and len(tensors) == fast[1] and fast[2].layout_version == fast[3]:
-            # The same list as last time, over one arena whose tables were not replaced since: every
-            # check below already passed for these tables; hand the staging buffers over as they are.
-            arena = fast[2]
+        if (
+            fast is not None
+            and fast[0] == tuple(tensors)
+            and fast[1].layout_version == fast[2]
+            and list(map(_SHAPE, fast[3])) == fast[4]
+        ):
+            # The same tables as last time (one arena, none replaced or resized in place since): every
+            # check below already passed for them; hand the staging buffers over as they are.
+            arena = fast[1]
             if arena.num_writes:
                 meta, values = arena.meta[: arena.num_writes], arena.values[: arena.num_values]
-                self.backend.apply([WriteBatch(fast[4], meta, values, arena.may_overlap, True, arena.lender)])
+                self.backend.apply([WriteBatch(fast[3], meta, values, arena.may_overlap, True, arena.lender)])
                 arena.clear()
                 arena.rotate()
             return
@@ -112,14 +120,12 @@ class FusedStagedWriter:
                     lender = self.backend.staging_buffers(self.device, arena.np_dtype)
                     if lender is not None:
                         arena.attach(lender)
-                targets = arena.targets
-                self._fast = (
-                    tensors,
-                    len(tensors),
-                    arena,
-                    arena.layout_version,
-                    [t._table for t in targets],
-                )
+                tables = [t._table for t in arena.targets]
+                self._fast = (tuple(tensors), arena, arena.layout_version, tables, list(map(_SHAPE, tables)))
+
+    def forget(self) -> None:
+        """Drop the references the repeat fast path keeps to the tables of the last apply."""
+        self._fast = None
 
     def __repr__(self) -> str:
         return f"FusedStagedWriter(device={self.device}, backend={self.backend.NAME!r})"
