@@ -18,7 +18,7 @@ from datetime import datetime
 import torch
 
 from multiwrite.bench_run import BenchResult, measure_burst, measure_config
-from multiwrite.cli import int_list, positive_int, progress_bar
+from multiwrite.cli import int_list, non_negative_int, positive_int, progress_bar
 from multiwrite.environment import environment, resolve_device
 from multiwrite.workload import CONFIGS, load_trace
 from multiwrite.writer import FusedStagedWriter
@@ -49,17 +49,6 @@ def config_list(text: str) -> list[str]:
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown configuration {text!r} (known: {', '.join(CONFIGS)})")
     return names
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type for an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -143,11 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("multiwrite bench: error: --plot needs matplotlib: pip install 'multiwrite[plot]'", file=sys.stderr)
             return 2
-    try:
-        device = resolve_device(args.device)
-    except RuntimeError as exc:
-        print(f"multiwrite bench: error: --device {args.device!r}: {exc}", file=sys.stderr)
-        return 2
+    device = resolve_device(args.device)  # DeviceError: main() reports it, exit code 2
     threads_before = torch.get_num_threads()
     threads = args.threads or (1 if device.type == "cpu" else threads_before)
     torch.set_num_threads(threads)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from multiwrite.dispatch import BACKEND_ENV, available_backends, select_backend
-from multiwrite.environment import environment, resolve_device
+from multiwrite.environment import DeviceError, environment, resolve_device
 from multiwrite.errors import BackendUnavailableError, StagedWriteError
 from multiwrite.workload import TraceError, load_trace
 
@@ -39,6 +39,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type for an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -74,7 +85,12 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=positive_int, default=1000, help="scheduler steps (1000)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
     p.add_argument("--backend", default=None, help="force a backend by name (default: best available)")
-    p.add_argument("--check-every", type=int, default=50, help="compare with the reference every N steps (50)")
+    p.add_argument(
+        "--check-every",
+        type=non_negative_int,
+        default=50,
+        help="compare with the reference every N steps, 0: only after the last step (50)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_replay)
 
@@ -89,8 +105,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if kbs is not None and len(kbs) != len(args.block_sizes):
         print(f"error: --kernel-block-sizes has {len(kbs)} entries for {len(args.block_sizes)} groups", file=sys.stderr)
         return 2
-    trace = load_trace(args.trace)
     device = resolve_device(args.device)
+    trace = load_trace(args.trace)
     with progress_bar(args.steps, "replay", not args.no_progress) as tick:
         result = run_replay(
             trace, args.block_sizes, kbs, args.concurrency, args.steps, device, args.backend, args.check_every, tick
@@ -211,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (TraceError, StagedWriteError, BackendUnavailableError) as exc:
+    except (TraceError, StagedWriteError, BackendUnavailableError, DeviceError) as exc:
         print(f"multiwrite {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

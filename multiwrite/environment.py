@@ -55,11 +55,41 @@ def environment(device: torch.device) -> dict[str, str]:
     }
 
 
+class DeviceError(ValueError):
+    """A device string that cannot be parsed, or names a CUDA (or ROCm) device this machine lacks."""
+
+
+def _torch_build() -> str:
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        return f"torch {torch.__version__} built with ROCm/HIP {hip}"
+    if torch.version.cuda:
+        return f"torch {torch.__version__} built with CUDA {torch.version.cuda}"
+    return f"torch {torch.__version__} built without CUDA"
+
+
 def resolve_device(device: str) -> torch.device:
-    """`"auto"` -> the current CUDA (or ROCm) device when there is one, else CPU; other names as given."""
+    """`"auto"` -> the current CUDA (or ROCm) device when there is one, else CPU; other names as given.
+
+    Raises:
+        DeviceError: `device` is not a device string torch understands, or names a CUDA device (ROCm
+            devices are CUDA devices to torch) that is not there, saying what torch build this is.
+    """
     if device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DeviceError(f"cannot parse device {device!r}: {exc} (expected auto, cpu, cuda or cuda:N)") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = _torch_build()
+            why = "" if build.endswith("without CUDA") else ", no device visible"
+            raise DeviceError(f"device {device} requested but CUDA is not available ({build}{why})")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise DeviceError(f"device {device} requested but only {count} CUDA device(s) are visible")
+    return resolved
 
 
 def synchronize(device: torch.device) -> None:

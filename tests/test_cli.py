@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import multiwrite
 from multiwrite import Backend, hookimpl
@@ -92,12 +93,49 @@ def test_missing_trace_file(capsys):
 
 @pytest.mark.parametrize(
     "argv",
-    [["replay", "--concurrency", "0"], ["replay", "--block-sizes", "16,x"], ["replay", "--steps", "-1"], ["nope"]],
+    [
+        ["replay", "--concurrency", "0"],
+        ["replay", "--block-sizes", "16,x"],
+        ["replay", "--steps", "-1"],
+        ["replay", "--check-every", "-1"],
+        ["replay", "--check-every", "x"],
+        ["nope"],
+    ],
 )
 def test_bad_arguments_exit_2(argv):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
+
+
+def test_check_every_0_checks_only_after_the_last_step(capsys):
+    argv = ["replay", "--trace", SMALL, "--concurrency", "3", "--steps", "10", "--check-every", "0"]
+    assert main([*argv, "--no-progress", "--device", "cpu"]) == 0
+    assert "checks             1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("cudax", "error: cannot parse device 'cudax'"),
+        ("cuda:x", "error: cannot parse device 'cuda:x'"),
+    ],
+)
+def test_unparsable_device_exits_2(capsys, device, message):
+    assert main(["replay", "--trace", SMALL, "--steps", "3", "--no-progress", "--device", device]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_exits_2(capsys):
+    assert main(["replay", "--trace", SMALL, "--steps", "3", "--no-progress", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    build = "without CUDA" if torch.version.cuda is None and not getattr(torch.version, "hip", None) else "built with"
+    assert (
+        f"multiwrite replay: error: device cuda requested but CUDA is not available (torch {torch.__version__} " in err
+    )
+    assert build in err
+    assert "Traceback" not in err
 
 
 def test_mismatched_kernel_block_sizes_exit_2(capsys):
