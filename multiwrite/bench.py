@@ -1,10 +1,10 @@
 """`multiwrite bench`: the fused writer side by side with per-group and naive writes on the real trace.
 
-One process, one run: the trace-replay workload of ANCHORS.md for each configuration and concurrency,
-through the variants of `bench_variants` (timed as `bench_run` describes), every variant checked against
-the reference; then the prefill burst; then the report of `bench_report` on the terminal, and on request
-a CSV file and a plot. Exit codes: 0 all verified, 1 a variant's tables differed from the reference,
-2 bad arguments.
+One process, one run: the trace-replay workload of the project's performance anchors (BENCHMARKS.md) for
+each configuration and concurrency, through the variants of `bench_variants` (timed as `bench_run`
+describes), every variant checked against the reference; then the prefill burst; then the report of
+`bench_report` on the terminal, and on request a CSV file and a plot. Exit codes: 0 all verified, 1 a
+variant's tables differed from the reference, 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class BenchOptions:
     burst_reps: int  # 0: no burst
 
 
-#: `--quick`: a run that takes seconds on a 2-core CPU; the defaults otherwise (ANCHORS.md's workload).
+#: `--quick`: a run that takes seconds on a 2-core CPU; the defaults otherwise (the anchors' workload, BENCHMARKS.md).
 QUICK = BenchOptions(["G1", "G3"], [40, 256], 120, 20, 64, 256, 10)
 FULL = BenchOptions(["G1", "G2", "G3", "G4"], [40, 256], 400, 50, 256, 1024, 20)
 
@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="measure fused vs per-group vs naive block-table writes on the trace, with ratios, CSV and a plot",
-        description="Replay the ANCHORS.md trace workload through the fused writer, one writer per group, "
+        description="Replay the trace workload of BENCHMARKS.md through the fused writer, one writer per group, "
         "naive per-write slice assignment and the launch floor, side by side in one run; check every "
         "variant against the reference; measure a prefill burst against a plain copy of the same bytes.",
     )
@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--threads",
         type=positive_int,
-        help="torch threads (default: 1 on CPU, as ANCHORS.md's CPU figures; torch's default on a GPU)",
+        help="torch threads (default: 1 on CPU, as BENCHMARKS.md's CPU figures; torch's default on a GPU)",
     )
     p.add_argument("--csv", metavar="PATH", help="write one row per measurement to this CSV file")
     p.add_argument("--plot", metavar="PATH.png", help="plot apply time per variant and configuration (matplotlib)")

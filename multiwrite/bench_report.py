@@ -1,4 +1,5 @@
-"""What `multiwrite bench` prints and writes: the terminal tables, the goals of ANCHORS.md, CSV and a plot."""
+"""What `multiwrite bench` prints and writes: the terminal tables, the goals of the project's performance
+anchors (BENCHMARKS.md), CSV and a plot."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def terminal_report(result: BenchResult) -> str:
     else:
         n = sum(1 for c in result.configs for v in c.variants.values() if v.verified)
         out.append(f"verification: OK, all {n} variant runs" + (" and the burst" if b else "") + " equal the reference")
-    out += ["", "goals (shared/ANCHORS.md)"] + [f"  {g}" for g in goal_lines(result)]
+    out += ["", "goals (BENCHMARKS.md)"] + [f"  {g}" for g in goal_lines(result)]
     return "\n".join(out)
 
 
@@ -165,8 +166,8 @@ def _fraction(r: float) -> str:
 
 
 def goal_lines(result: BenchResult) -> list[str]:
-    """One line per goal of ANCHORS.md that this run's device can judge: the value, the goal, met or by
-    how much it is missed. Goals of the other kind of device are named as not measured."""
+    """One line per goal of the performance anchors (BENCHMARKS.md) that this run's device can judge: the
+    value, the goal, met or by how much it is missed. Goals of the other kind of device are named as not measured."""
     lines = []
     if not result.gpu:
         for c_req, goal in ((256, 15), (40, 4)):

@@ -1,13 +1,13 @@
 """The measurements of `multiwrite bench`: trace replay through every variant, and the prefill burst.
 
-Timing follows ANCHORS.md: per step, host time (`time.perf_counter_ns`) of staging plus apply and of
-apply alone; the device is synchronized after each step, outside the timed region; warm-up steps are
-skipped; statistics are over the remaining steps with at least one write. The variants (and floors) take
-turns within each step, in an order that rotates from step to step, so that drift and noise of the
-machine reach all of them alike; the garbage collector is off while timing (as in `timeit`), so that
-one variant's garbage is never collected on another's clock. On a GPU, a second pass with fresh tables
-times each apply on the device with CUDA events; it is separate so that recording events never adds to
-the host times of the first pass.
+Timing follows the project's performance anchors (BENCHMARKS.md): per step, host time
+(`time.perf_counter_ns`) of staging plus apply and of apply alone; the device is synchronized after each
+step, outside the timed region; warm-up steps are skipped; statistics are over the remaining steps with
+at least one write. The variants (and floors) take turns within each step, in an order that rotates from
+step to step, so that drift and noise of the machine reach all of them alike; the garbage collector is
+off while timing (as in `timeit`), so that one variant's garbage is never collected on another's clock.
+On a GPU, a second pass with fresh tables times each apply on the device with CUDA events; it is separate
+so that recording events never adds to the host times of the first pass.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ sends them to the device in `apply()`, and exposes its final state through `snap
   and keeps `num_blocks` on the host; `apply()` builds one device tensor per write from its list
   (`torch.tensor(list, dtype=int32, device=...)`), slice-assigns it into the table, then copies
   `num_blocks` to the device once. The split puts all device work in `apply()`, as the naive design of
-  ANCHORS.md measured it (its apply time is nearly its step time).
+  the project's performance anchors (BENCHMARKS.md) measured it (its apply time is nearly its step time).
 
 The floors (`floor`, `floor-triton`, `floor-torch`) are the cheapest possible `apply()`: nothing to stage,
 one empty backend call on a CPU, one empty kernel launch on a GPU.

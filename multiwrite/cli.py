@@ -75,7 +75,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "replay",
         help="replay a serving trace through BlockTables and check every table against the reference",
-        description="Replay the trace-replay workload (ANCHORS.md) through BlockTables on the selected "
+        description="Replay the trace-replay workload (see BENCHMARKS.md) through BlockTables on the selected "
         "backend and device, checking the tables against a plain sequential reference.",
     )
     p.add_argument("--trace", help="CSV with ContextTokens,GeneratedTokens columns (default: embedded Azure trace)")

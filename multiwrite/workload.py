@@ -1,10 +1,10 @@
 """The trace-replay workload: a saturated continuous-batching scheduler turned into block-table writes.
 
-Defined in the project's ANCHORS.md ("The workload"): `concurrency` request slots filled in file order;
-a token budget per step (chunked prefill, one token per decoding request, in admission order); per
-KV-cache group a LIFO block allocator (id 0 is the null block and never handed out); an overwrite in
-every group at a request's first scheduled chunk, appends for groups that got new blocks later; blocks
-and slot freed once prompt + output tokens are computed.
+Defined by the project's performance anchors (the workload; see BENCHMARKS.md): `concurrency` request
+slots filled in file order; a token budget per step (chunked prefill, one token per decoding request, in
+admission order); per KV-cache group a LIFO block allocator (id 0 is the null block and never handed
+out); an overwrite in every group at a request's first scheduled chunk, appends for groups that got new
+blocks later; blocks and slot freed once prompt + output tokens are computed.
 
 The default input is the Azure LLM inference trace 2023 (conversation), CC-BY 4.0, Patel et al.,
 "Splitwise", ISCA 2024, shipped in `multiwrite/data/` with its NOTICE.
@@ -23,7 +23,7 @@ import numpy as np
 
 #: Name of the embedded trace file in `multiwrite/data/`.
 EMBEDDED_TRACE = "azure_llm_inference_2023_conv.csv"
-#: Per-step token budget, prompt/output caps and max model length of the workload (ANCHORS.md).
+#: Per-step token budget, prompt/output caps and max model length of the workload (performance anchors, BENCHMARKS.md).
 TOKEN_BUDGET = 8192
 MAX_PROMPT_TOKENS = 8192
 MAX_OUTPUT_TOKENS = 8192
@@ -116,7 +116,7 @@ def load_trace(path: str | Path | None = None) -> Trace:
 
 
 def max_blocks_per_group(block_sizes: Sequence[int], max_model_len: int = MAX_MODEL_LEN) -> list[int]:
-    """Manager blocks a request may hold per group: `max_model_len // bs + 1` (ANCHORS.md row width)."""
+    """Manager blocks a request may hold per group: `max_model_len // bs + 1` (the anchors' row width)."""
     return [max_model_len // bs + 1 for bs in block_sizes]
 
 

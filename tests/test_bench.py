@@ -1,5 +1,5 @@
 """`multiwrite bench --quick` on a tiny trace: CSV columns, every variant verified, sane ratios, and a broken
-variant caught. Timings are never asserted (ANCHORS.md goals are reported by the bench, not tested)."""
+variant caught. Timings are never asserted (the goals of BENCHMARKS.md are reported by the bench, not tested)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,7 @@ def test_gpu_report_judges_the_gpu_goals():
     result = _fake_gpu_result()
     text = terminal_report(result)
     assert "device time per apply" in text and "floor-triton" in text
+    assert "goals (BENCHMARKS.md)" in text and "ANCHORS" not in text
     goals = goal_lines(result)
     assert goals[0].startswith("GPU apply host time <= 1.3x") and "met on 2 of 2" in goals[0]
     assert "= 1.50x one empty launch; goal <= 2x: met" in goals[1]  # step 15 us / floor 10 us

@@ -219,6 +219,15 @@ def test_info_says_the_forced_backend_cannot_run(capsys, monkeypatch, extra_back
     assert any(line.startswith("  forced by $MULTIWRITE_BACKEND=nope: cannot run: no backend") for line in cpu)
 
 
+@pytest.mark.parametrize("command", ["replay", "bench"])
+def test_help_cites_benchmarks_md_not_a_file_outside_the_repository(capsys, command):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "BENCHMARKS.md" in text and "ANCHORS" not in text
+
+
 def test_console_script_runs_as_a_module():
     proc = subprocess.run([sys.executable, "-m", "multiwrite.cli", "info"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
