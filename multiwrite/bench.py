@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from dataclasses import dataclass
 from datetime import datetime
@@ -120,6 +121,35 @@ def run_bench(
     return result
 
 
+def output_path_problem(path: str, option: str) -> str | None:
+    """Why `path` cannot be written, or None when it can: checked before the run, so that a typo in
+    `--csv` or `--plot` fails at once instead of after minutes of measuring. Opens the file for appending
+    (which leaves an existing file as it is) and removes it again if it did not exist."""
+    if os.path.isdir(path):
+        return f"{option} {path}: is a directory"
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return f"{option} {path}: cannot write there: {exc.strerror or exc}"
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    return None
+
+
+def plot_format_problem(path: str) -> str | None:
+    """Why matplotlib cannot save a figure to `path` (its extension names no format it knows), or None."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        return f"--plot {path}: matplotlib cannot write .{ext} files (supported: {', '.join(sorted(formats))})"
+    return None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run `multiwrite bench`; returns the exit code (0 verified, 1 a mismatch, 2 bad arguments)."""
     opts = options_from_args(args)
@@ -132,6 +162,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("multiwrite bench: error: --plot needs matplotlib: pip install 'multiwrite[plot]'", file=sys.stderr)
             return 2
+    problems = [
+        output_path_problem(path, option) for path, option in ((args.csv, "--csv"), (args.plot, "--plot")) if path
+    ]
+    if args.plot:
+        problems.append(plot_format_problem(args.plot))
+    for problem in filter(None, problems):
+        print(f"multiwrite bench: error: {problem}", file=sys.stderr)
+        return 2
     device = resolve_device(args.device)  # DeviceError: main() reports it, exit code 2
     threads_before = torch.get_num_threads()
     threads = args.threads or (1 if device.type == "cpu" else threads_before)

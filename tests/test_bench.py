@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from multiwrite import bench_variants
+from multiwrite import bench, bench_variants
 from multiwrite.bench_report import CSV_COLUMNS, csv_rows, format_table, goal_lines, terminal_report
 from multiwrite.bench_run import BenchResult, BurstResult, ConfigResult, Stats, VariantResult
 from multiwrite.bench_variants import Mismatch, Snapshot, compare
@@ -96,6 +96,43 @@ def test_bad_arguments_exit_2(extra, capsys):
 def test_warmup_that_leaves_no_step_exits_2(capsys):
     assert main([*QUICK, "--steps", "10", "--warmup", "10"]) == 2
     assert "--warmup" in capsys.readouterr().err
+
+
+def _no_run(*args, **kwargs):
+    raise AssertionError("the run must not start")
+
+
+@pytest.mark.parametrize(
+    ("option", "where", "fragment"),
+    [
+        ("--csv", "/nonexistent/dir/x.csv", "--csv /nonexistent/dir/x.csv: cannot write there"),
+        ("--csv", "{tmp}", "is a directory"),
+        ("--plot", "/nonexistent/dir/x.png", "--plot /nonexistent/dir/x.png"),
+        ("--plot", "{tmp}/x.notaformat", "--plot"),
+    ],
+)
+def test_unwritable_outputs_exit_2_before_the_run(monkeypatch, capsys, tmp_path, option, where, fragment):
+    monkeypatch.setattr(bench, "run_bench", _no_run)
+    where = where.format(tmp=tmp_path)
+    assert main([*QUICK, option, where]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("multiwrite bench: error: ") and fragment.format(tmp=tmp_path) in err
+    assert list(tmp_path.iterdir()) == []  # the check leaves nothing behind
+
+
+def test_bad_device_exits_2_before_the_run(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "run_bench", _no_run)
+    assert main([*QUICK, "--device", "cudax"]) == 2
+    assert "multiwrite bench: error: cannot parse device 'cudax'" in capsys.readouterr().err
+
+
+def test_writable_csv_is_checked_without_touching_an_existing_file(tmp_path):
+    existing = tmp_path / "old.csv"
+    existing.write_text("keep me\n")
+    assert bench.output_path_problem(str(existing), "--csv") is None
+    assert existing.read_text() == "keep me\n"
+    assert bench.output_path_problem(str(tmp_path / "new.csv"), "--csv") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.csv"]
 
 
 def test_compare_names_the_first_mismatching_cell():
