@@ -104,7 +104,8 @@ def run_bench(
         TraceError: the trace cannot be read. BackendUnavailableError: the backend cannot run on `device`.
     """
     trace = load_trace(trace_path)
-    backend_name = FusedStagedWriter(device, backend).backend.NAME  # fails here, before measuring, if it cannot run
+    backend_obj = FusedStagedWriter(device, backend).backend  # fails here, before measuring, if it cannot run
+    backend_name = backend_obj.NAME
     timestamp = datetime.now().astimezone().isoformat(timespec="seconds")
     passes = 2 if device.type == "cuda" else 1
     total = len(opts.configs) * len(opts.concurrency) * opts.steps * passes + opts.burst_reps
@@ -118,7 +119,14 @@ def run_bench(
                 result.configs.append(measure_config(trace, config, c, opts.steps, opts.warmup, device, backend, tick))
         if opts.burst_reps:
             result.burst = measure_burst(opts.burst_requests, opts.burst_ids, opts.burst_reps, device, backend, tick)
+    result.interpreted = ran_interpreted(backend_obj)
     return result
+
+
+def ran_interpreted(backend: object) -> bool:
+    """Whether `backend` ran its kernels through Triton's interpreter (`TRITON_INTERPRET=1`, a Triton
+    backend on a CPU device): Triton backends report how they launched in `launch_path`."""
+    return "interpreter" in str(getattr(backend, "launch_path", ""))
 
 
 def output_path_problem(path: str, option: str) -> str | None:

@@ -64,8 +64,9 @@ def _floors(result: BenchResult) -> list[str]:
 def terminal_report(result: BenchResult) -> str:
     """The full human-readable report of a run, as one string."""
     env = result.env
+    how = " (through Triton's interpreter)" if result.interpreted else ""
     out = [
-        f"multiwrite bench: {result.backend} on {env['device']} ({env['device_name']}), "
+        f"multiwrite bench: {result.backend}{how} on {env['device']} ({env['device_name']}), "
         f"{env['torch_threads']} torch thread{'s' if env['torch_threads'] != '1' else ''}",
         f"  multiwrite {env['multiwrite']}, torch {env['torch']}, triton {env['triton']}, numpy {env['numpy']}, "
         f"python {env['python']}; {result.timestamp}",
@@ -168,6 +169,11 @@ def _fraction(r: float) -> str:
 def goal_lines(result: BenchResult) -> list[str]:
     """One line per goal of the performance anchors (BENCHMARKS.md) that this run's device can judge: the
     value, the goal, met or by how much it is missed. Goals of the other kind of device are named as not measured."""
+    if result.interpreted:
+        return [
+            f"not evaluated for interpreted kernels: {result.backend} ran through Triton's interpreter "
+            "(TRITON_INTERPRET=1), whose times are not the kernel's; run on a GPU, or a native CPU backend"
+        ]
     lines = []
     if not result.gpu:
         for c_req, goal in ((256, 15), (40, 4)):

@@ -329,6 +329,8 @@ class BenchResult:
         env: `environment.environment(device)`: versions, device and its name, torch threads.
         backend: name of the backend the fused and per-group variants used.
         trace: where the trace came from, and its number of requests.
+        interpreted: the backend ran its kernels through Triton's interpreter (`TRITON_INTERPRET=1` on a
+            CPU device): its times measure the interpreter, so no goal is judged.
     """
 
     timestamp: str
@@ -339,6 +341,7 @@ class BenchResult:
     warmup: int
     configs: list[ConfigResult] = field(default_factory=list)
     burst: BurstResult | None = None
+    interpreted: bool = False
 
     @property
     def gpu(self) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import multiwrite
 from multiwrite import bench, bench_variants
 from multiwrite.bench_report import CSV_COLUMNS, csv_rows, format_table, goal_lines, terminal_report
 from multiwrite.bench_run import BenchResult, BurstResult, ConfigResult, Stats, VariantResult
@@ -133,6 +134,19 @@ def test_writable_csv_is_checked_without_touching_an_existing_file(tmp_path):
     assert existing.read_text() == "keep me\n"
     assert bench.output_path_problem(str(tmp_path / "new.csv"), "--csv") is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.csv"]
+
+
+def test_interpreted_triton_run_judges_no_goal(capsys):
+    statuses = {s.name: s for s in multiwrite.available_backends("cpu")}
+    if "triton-cuda" not in statuses or not statuses["triton-cuda"].available:
+        pytest.skip("triton-cuda cannot run on CPU here (needs Triton and TRITON_INTERPRET=1)")
+    argv = [*QUICK, "--backend", "triton-cuda", "--device", "cpu", "--configs", "G3", "--concurrency", "40"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("multiwrite bench: triton-cuda (through Triton's interpreter) on cpu")
+    goals = out[out.index("goals (BENCHMARKS.md)") :]
+    assert "not evaluated for interpreted kernels" in goals
+    assert "missed by" not in goals and ": met" not in goals
 
 
 def test_compare_names_the_first_mismatching_cell():
