@@ -37,6 +37,10 @@ DO_NOT_SPECIALIZE = (
 DESC_COLUMNS = 5
 #: Tables whose descriptors every program loads up front (more tables: one dependent load per write).
 MAX_PRELOADED_TABLES: tl.constexpr = tl.constexpr(8)
+#: A batch of at most this many values (a decode step) is loaded whole by every program, at the same
+#: time as the metadata, so values do not wait for a second PCIe round trip; larger batches load each
+#: tile's values once its metadata is known.
+PRELOADED_VALUES: tl.constexpr = tl.constexpr(256)
 TL_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float32: tl.float32}
 
 
@@ -86,6 +90,10 @@ def _write_kernel_fn(
     col_stride_all = tl.load(d_all + 2, mask=t_ok, other=0)
     rows_all = tl.load(d_all + 3, mask=t_ok, other=0)
     cols_all = tl.load(d_all + 4, mask=t_ok, other=0)
+    lanes_v = tl.arange(0, PRELOADED_VALUES)
+    small = num_values <= PRELOADED_VALUES
+    preload = num_values * small.to(tl.int32)  # values to load up front: all of them, or none
+    values_all = tl.load(values + lanes_v, mask=lanes_v < preload, other=0, cache_modifier=".cv")
     # Rounds (only with overlapping writes, launched as one program): round r's writes land before r+1's.
     for r in range(0, num_rounds):
         w_begin = tl.load(bounds + r, mask=multi, other=0, cache_modifier=".cv")
@@ -123,7 +131,11 @@ def _write_kernel_fn(
                 col = start[:, None].to(tl.int64) + pos[None, :]
                 vidx = voff[:, None] + pos[None, :]
                 keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
-                v = tl.load(values + vidx, mask=keep, other=0, cache_modifier=".cv")
+                if small:
+                    flat = tl.reshape(tl.where(keep, vidx, 0), [BLOCK_W * BLOCK_L])
+                    v = tl.reshape(tl.gather(values_all, flat, 0), [BLOCK_W, BLOCK_L])
+                else:
+                    v = tl.load(values + vidx, mask=keep, other=0, cache_modifier=".cv")
                 tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
         tl.debug_barrier()
     # Completion: the last program to finish (all the others' slot reads are done) resets the counter

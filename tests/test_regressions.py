@@ -60,11 +60,11 @@ def test_resize_in_place_is_caught_on_the_repeat_path_too(backend):
     assert t.num_staged_writes == 1
 
 
-def test_growing_in_place_widens_the_checks():
-    t = StagedWriteTensor((4, 16), torch.int32, name="grown")
+def test_growing_in_place_widens_the_checks(backend):
+    t = StagedWriteTensor((4, 16), torch.int32, backend.device, name="grown")
     t.tensor.resize_(4, 32)
     t.stage_write(0, 20, [1])  # past the old width, inside the new one
-    t.apply_write()
+    FusedStagedWriter(backend.device, backend.name).apply([t])
     assert t.tensor[0, 20] == 1
 
 
@@ -123,32 +123,33 @@ def test_replacement_must_be_a_tensor():
         t.tensor = "x"
 
 
-def test_bool_rows_are_rejected(staging):
-    bt = BlockTables([16, 16], 2, [4, 4], "cpu")
+def test_bool_rows_are_rejected(staging, backend):
+    bt = BlockTables([16, 16], 2, [4, 4], backend.device, backend=backend.name)
     with pytest.raises(StagedWriteError, match="not a bool"):
         bt.append_block_ids(True, ([9], []), True)
-    t = StagedWriteTensor((2, 4), torch.int32)
+    t = StagedWriteTensor((2, 4), torch.int32, backend.device)
     with pytest.raises(StagedWriteError, match="not bools"):
         t.stage_write(True, 0, [1])
     assert bt.num_blocks.sum() == 0 and t.num_staged_writes == 0
 
 
-def test_generator_of_groups_is_accepted(staging):
-    bt = BlockTables([16, 16], 2, [4, 4], "cpu")
+def test_generator_of_groups_is_accepted(staging, backend):
+    bt = BlockTables([16, 16], 2, [4, 4], backend.device, backend=backend.name)
     bt.append_block_ids(1, (ids for ids in ([1], [2, 3])), True)
     bt.apply_staged_writes()
     assert bt.num_blocks[:, 1].tolist() == [1, 2] and bt[1].tensor[1, :2].tolist() == [2, 3]
+    assert bt.num_blocks_device[:, 1].tolist() == [1, 2]
 
 
-def test_applied_tables_are_not_kept_alive():
-    t = StagedWriteTensor((64, 64), torch.int32)
+def test_applied_tables_are_not_kept_alive(backend):
+    t = StagedWriteTensor((64, 64), torch.int32, backend.device)
     t.stage_write(0, 0, [1])
     t.apply_write()
     table = weakref.ref(t.tensor)
     del t
     gc.collect()
     assert table() is None
-    bt = BlockTables([16], 8, [8], "cpu")
+    bt = BlockTables([16], 8, [8], backend.device, backend=backend.name)
     bt.append_block_ids(0, ([1],), True)
     bt.apply_staged_writes()
     bt.apply_staged_writes()
