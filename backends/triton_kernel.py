@@ -41,6 +41,8 @@ MAX_PRELOADED_TABLES: tl.constexpr = tl.constexpr(8)
 #: time as the metadata, so values do not wait for a second PCIe round trip; larger batches load each
 #: tile's values once its metadata is known.
 PRELOADED_VALUES: tl.constexpr = tl.constexpr(256)
+#: Cells per write per chunk when values come from registers (decode writes are a few cells long).
+GATHER_L: tl.constexpr = tl.constexpr(16)
 TL_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float32: tl.float32}
 
 
@@ -91,6 +93,7 @@ def _write_kernel_fn(
     rows_all = tl.load(d_all + 3, mask=t_ok, other=0)
     cols_all = tl.load(d_all + 4, mask=t_ok, other=0)
     lanes_v = tl.arange(0, PRELOADED_VALUES)
+    lanes_g = tl.arange(0, GATHER_L)
     small = num_values <= PRELOADED_VALUES
     preload = num_values * small.to(tl.int32)  # values to load up front: all of them, or none
     values_all = tl.load(values + lanes_v, mask=lanes_v < preload, other=0, cache_modifier=".cv")
@@ -126,17 +129,23 @@ def _write_kernel_fn(
             cells = tl.where(live, length, 0)
             dst = base.to(tl.pointer_type(VALUE_DTYPE)) + row.to(tl.int64) * row_stride
             max_cells = tl.max(cells, axis=0)
-            for c0 in range(pid_s * BLOCK_L, max_cells, n_s * BLOCK_L):
-                pos = c0 + lanes_l
-                col = start[:, None].to(tl.int64) + pos[None, :]
-                vidx = voff[:, None] + pos[None, :]
-                keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
-                if small:
-                    flat = tl.reshape(tl.where(keep, vidx, 0), [BLOCK_W * BLOCK_L])
-                    v = tl.reshape(tl.gather(values_all, flat, 0), [BLOCK_W, BLOCK_L])
-                else:
+            if small:  # values already in registers: narrow chunks keep the gather small
+                for c0 in range(pid_s * GATHER_L, max_cells, n_s * GATHER_L):
+                    pos = c0 + lanes_g
+                    col = start[:, None].to(tl.int64) + pos[None, :]
+                    vidx = voff[:, None] + pos[None, :]
+                    keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
+                    flat = tl.reshape(tl.where(keep, vidx, 0), [BLOCK_W * GATHER_L])
+                    v = tl.reshape(tl.gather(values_all, flat, 0), [BLOCK_W, GATHER_L])
+                    tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
+            else:
+                for c0 in range(pid_s * BLOCK_L, max_cells, n_s * BLOCK_L):
+                    pos = c0 + lanes_l
+                    col = start[:, None].to(tl.int64) + pos[None, :]
+                    vidx = voff[:, None] + pos[None, :]
+                    keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
                     v = tl.load(values + vidx, mask=keep, other=0, cache_modifier=".cv")
-                tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
+                    tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
         tl.debug_barrier()
     # Completion: the last program to finish (all the others' slot reads are done) resets the counter
     # and hands the slot back to the host. A launch of one program needs no counter.
@@ -536,7 +545,9 @@ class TritonWriter:
             else:
                 grid0 = (w + self._bw1) // self._bw
                 grid1 = (v + self._bl1) // self._bl  # column chunks of the longest write, at most
-                if grid1 > 1:
+                if v <= PRELOADED_VALUES:  # a decode step: its writes are short, splits would idle
+                    grid1 = 1
+                elif grid1 > 1:
                     grid1 = max(1, min(grid1, self._max_splits, self._max_programs // grid0))
             token = ring.next_token(i)
             args = (
