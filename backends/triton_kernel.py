@@ -41,8 +41,6 @@ MAX_PRELOADED_TABLES: tl.constexpr = tl.constexpr(8)
 #: time as the metadata, so values do not wait for a second PCIe round trip; larger batches load each
 #: tile's values once its metadata is known.
 PRELOADED_VALUES: tl.constexpr = tl.constexpr(256)
-#: Cells per write per chunk when values come from registers (decode writes are a few cells long).
-GATHER_L: tl.constexpr = tl.constexpr(16)
 TL_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float32: tl.float32}
 
 
@@ -93,7 +91,6 @@ def _write_kernel_fn(
     rows_all = tl.load(d_all + 3, mask=t_ok, other=0)
     cols_all = tl.load(d_all + 4, mask=t_ok, other=0)
     lanes_v = tl.arange(0, PRELOADED_VALUES)
-    lanes_g = tl.arange(0, GATHER_L)
     small = num_values <= PRELOADED_VALUES
     preload = num_values * small.to(tl.int32)  # values to load up front: all of them, or none
     values_all = tl.load(values + lanes_v, mask=lanes_v < preload, other=0, cache_modifier=".cv")
@@ -129,23 +126,17 @@ def _write_kernel_fn(
             cells = tl.where(live, length, 0)
             dst = base.to(tl.pointer_type(VALUE_DTYPE)) + row.to(tl.int64) * row_stride
             max_cells = tl.max(cells, axis=0)
-            if small:  # values already in registers: narrow chunks keep the gather small
-                for c0 in range(pid_s * GATHER_L, max_cells, n_s * GATHER_L):
-                    pos = c0 + lanes_g
-                    col = start[:, None].to(tl.int64) + pos[None, :]
-                    vidx = voff[:, None] + pos[None, :]
-                    keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
-                    flat = tl.reshape(tl.where(keep, vidx, 0), [BLOCK_W * GATHER_L])
-                    v = tl.reshape(tl.gather(values_all, flat, 0), [BLOCK_W, GATHER_L])
-                    tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
-            else:
-                for c0 in range(pid_s * BLOCK_L, max_cells, n_s * BLOCK_L):
-                    pos = c0 + lanes_l
-                    col = start[:, None].to(tl.int64) + pos[None, :]
-                    vidx = voff[:, None] + pos[None, :]
-                    keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
+            for c0 in range(pid_s * BLOCK_L, max_cells, n_s * BLOCK_L):
+                pos = c0 + lanes_l
+                col = start[:, None].to(tl.int64) + pos[None, :]
+                vidx = voff[:, None] + pos[None, :]
+                keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
+                if small:
+                    flat = tl.reshape(tl.where(keep, vidx, 0), [BLOCK_W * BLOCK_L])
+                    v = tl.reshape(tl.gather(values_all, flat, 0), [BLOCK_W, BLOCK_L])
+                else:
                     v = tl.load(values + vidx, mask=keep, other=0, cache_modifier=".cv")
-                    tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
+                tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
         tl.debug_barrier()
     # Completion: the last program to finish (all the others' slot reads are done) resets the counter
     # and hands the slot back to the host. A launch of one program needs no counter.
