@@ -113,6 +113,8 @@ def _no_run(*args, **kwargs):
     ],
 )
 def test_unwritable_outputs_exit_2_before_the_run(monkeypatch, capsys, tmp_path, option, where, fragment):
+    if option == "--plot":
+        pytest.importorskip("matplotlib", reason="--plot needs the plot extra (matplotlib)")
     monkeypatch.setattr(bench, "run_bench", _no_run)
     where = where.format(tmp=tmp_path)
     assert main([*QUICK, option, where]) == 2
