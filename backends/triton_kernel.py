@@ -254,11 +254,6 @@ class _Slot:
         addr = self.buf.data_ptr()
         self.meta_addr, self.bounds_addr, self.values_addr = addr, addr + b_off, addr + v_off
 
-    def fill(self, meta: np.ndarray, values: np.ndarray) -> None:
-        """Copy `meta` (int32 `[w, 5]`) and `values` in: two memcpys."""
-        self.meta[: meta.shape[0]] = meta
-        self.views[values.dtype][: values.shape[0]] = values
-
 
 class _Descriptors(NamedTuple):
     tensor: torch.Tensor  #: int64 [num_tables, 5] on the device
