@@ -1,5 +1,6 @@
 /*
- * multiwrite._cstaging: the hot path of BlockTables.append_block_ids, compiled.
+ * multiwrite._cstaging: the compiled hot paths: BlockTables.append_block_ids, and the compiled-cpu
+ * backend's scatter (`scatter_writes`, at the end of this file).
  *
  * One call stages one request's new block ids for every KV-cache group: it checks them, expands each
  * manager id b into the k kernel block ids b*k + j, stores the values and one metadata row per written
@@ -15,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 enum {
     CTX_META = 0,      /* int32 [meta_cap, 5] */
@@ -247,10 +249,78 @@ done:
     return result;
 }
 
+/* scatter_writes(meta, values, tables): apply a WriteBatch to tables in host memory, in staging order
+ * (so where writes overlap the later one wins). meta: C-contiguous int32 [num_writes, 5] (table, row,
+ * start, length, value offset); values: C-contiguous 1-D buffer of 4- or 8-byte items; tables:
+ * C-contiguous int64 [num_tables, 5] (base address, row stride, column stride, rows, columns; strides
+ * in elements of the values' item size). Every write is checked against its table first; on a bad one
+ * nothing is written and ValueError is raised. */
+static PyObject *scatter_writes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "scatter_writes takes 3 arguments");
+        return NULL;
+    }
+    Py_buffer mb = {0}, vb = {0}, tb = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(args[0], &mb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (PyObject_GetBuffer(args[2], &tb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (mb.itemsize != 4 || (vb.itemsize != 4 && vb.itemsize != 8) || tb.itemsize != 8 || mb.len % 20 ||
+        tb.len % 40) {
+        PyErr_SetString(PyExc_ValueError, "scatter_writes: meta int32 [w, 5], values of 4 or 8 bytes, tables int64 [t, 5]");
+        goto done;
+    }
+    const int32_t *meta = (const int32_t *)mb.buf;
+    const int64_t *tables = (const int64_t *)tb.buf;
+    const Py_ssize_t num_writes = mb.len / 20, num_tables = tb.len / 40, item = vb.itemsize;
+    const Py_ssize_t num_values = vb.len / item;
+    for (Py_ssize_t w = 0; w < num_writes; w++) { /* check everything before writing anything */
+        const int32_t *m = meta + 5 * w;
+        if (m[3] == 0)
+            continue;
+        const int64_t *t = (m[0] >= 0 && m[0] < num_tables) ? tables + 5 * (int64_t)m[0] : NULL;
+        if (t == NULL || m[1] < 0 || m[1] >= t[3] || m[2] < 0 || m[3] < 0 || (int64_t)m[2] + m[3] > t[4] ||
+            m[4] < 0 || (int64_t)m[4] + m[3] > num_values) {
+            PyErr_Format(PyExc_ValueError, "scatter_writes: write %zd (table %d, row %d, start %d, length %d) "
+                         "is outside its table or the values", w, m[0], m[1], m[2], m[3]);
+            goto done;
+        }
+    }
+    const char *src = (const char *)vb.buf;
+    for (Py_ssize_t w = 0; w < num_writes; w++) {
+        const int32_t *m = meta + 5 * w;
+        if (m[3] == 0)
+            continue;
+        const int64_t *t = tables + 5 * (int64_t)m[0];
+        char *dst = (char *)(intptr_t)t[0] + ((int64_t)m[1] * t[1] + (int64_t)m[2] * t[2]) * item;
+        const char *from = src + (int64_t)m[4] * item;
+        if (t[2] == 1) {
+            memmove(dst, from, (size_t)m[3] * item);
+        } else {
+            for (int32_t c = 0; c < m[3]; c++)
+                memcpy(dst + (int64_t)c * t[2] * item, from + (int64_t)c * item, item);
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    if (mb.obj)
+        PyBuffer_Release(&mb);
+    if (vb.obj)
+        PyBuffer_Release(&vb);
+    if (tb.obj)
+        PyBuffer_Release(&tb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"append_block_ids", (PyCFunction)(void (*)(void))append_block_ids, METH_FASTCALL,
      "append_block_ids(block_tables, req_index, new_block_ids, overwrite): BlockTables.append_block_ids "
      "staged in C; see multiwrite/_cstaging.c."},
+    {"scatter_writes", (PyCFunction)(void (*)(void))scatter_writes, METH_FASTCALL,
+     "scatter_writes(meta, values, tables): apply a WriteBatch to host-memory tables in staging order."},
     {NULL, NULL, 0, NULL},
 };
 

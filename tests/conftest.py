@@ -21,6 +21,13 @@ from multiwrite.dispatch import BACKEND_ENV  # noqa: E402
 
 FORCED = os.environ.get(BACKEND_ENV) or None
 
+try:  # the backend auto-selection picks for CPU tables: the compiled one where it was built
+    import multiwrite._cstaging  # noqa: F401
+
+    CPU_DEFAULT = "compiled-cpu"
+except ImportError:
+    CPU_DEFAULT = "torch-cpu"
+
 
 @dataclass(frozen=True)
 class BackendCase:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import CPU_DEFAULT
 
 import multiwrite
 from multiwrite import Backend, hookimpl
@@ -41,7 +42,7 @@ def test_replay_small_trace_reports_zero_mismatches(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "result: OK, zero mismatches" in out
-    assert "backend            torch-cpu" in out
+    assert f"backend            {CPU_DEFAULT}" in out
     assert "trace              tests/data/small_trace.csv (6 requests)" in out
     assert "steps              21 of 40 (the trace ran out of requests)" in out
     assert "checks             3" in out  # steps 7, 14, 21
@@ -60,7 +61,10 @@ def test_replay_detects_a_broken_backend(capsys, monkeypatch):
         real(self, batches)
 
     monkeypatch.setattr(torch_cpu.TorchCpuBackend, "apply", drop_last_batch_value)
-    code = main(["replay", "--trace", SMALL, "--concurrency", "2", "--steps", "30", "--no-progress", "--device", "cpu"])
+    code = main(
+        ["replay", "--trace", SMALL, "--concurrency", "2", "--steps", "30", "--no-progress", "--device", "cpu",
+         "--backend", "torch-cpu"]
+    )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 1
     assert "result: FAILED" in out

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import CPU_DEFAULT
 from multiwrite.backends import triton_cuda
 
 import multiwrite
@@ -104,9 +105,9 @@ def test_interpreter_accepts_cpu_below_torch_cpu(monkeypatch):
     monkeypatch.setattr(triton_cuda, "interpreter_enabled", lambda: True)
     s = _statuses("cpu")
     for name in ("triton-cuda", "triton-rocm"):
-        assert s[name].priority < s["torch-cpu"].priority
+        assert s[name].priority < s["torch-cpu"].priority < s["compiled-cpu"].priority
         assert s[name].available == (not triton_cuda.triton_reasons()), s[name].reasons
-    assert multiwrite.select_backend("cpu").NAME == "torch-cpu"
+    assert multiwrite.select_backend("cpu").NAME == CPU_DEFAULT
 
 
 def test_missing_or_old_triton_is_a_reason(monkeypatch, gpu_build):
