@@ -28,7 +28,9 @@ enum {
     CTX_GROUPS = 6,
     CTX_GENERATION = 7, /* the arena's `generation` the addresses above belong to */
     CTX_COUNTS_TABLE = 8, /* table index of num_blocks' [max_num_reqs, num_groups] view, or -1 */
-    CTX_GROUP0 = 9,       /* per group: k, width, max_id */
+    CTX_STAMPS = 9,       /* int64 [num_tables, max_num_reqs]: epoch of the last staged write per (table, row) */
+    CTX_EPOCH = 10,       /* the current batch's epoch: a stamp equal to it means "already written" */
+    CTX_GROUP0 = 11,      /* per group: k, width, max_id */
 };
 
 #define STATUS_GROW 1     /* not enough room in the arena: grow it and call again */
@@ -36,10 +38,9 @@ enum {
 
 /* Stage one call. Returns 0 (staged: *w_out, *v_out, *overlapped set), STATUS_GROW, STATUS_FALLBACK,
  * or -1 with a Python exception set. */
-static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *rows_seen, PyObject *req_obj,
+static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *req_obj,
                       PyObject *groups_obj, int overwrite, Py_ssize_t *w_out, Py_ssize_t *v_out, int *overlapped_out) {
-    if (!PyLong_CheckExact(req_obj) || !(PyList_CheckExact(groups_obj) || PyTuple_CheckExact(groups_obj)) ||
-        !PySet_Check(rows_seen))
+    if (!PyLong_CheckExact(req_obj) || !(PyList_CheckExact(groups_obj) || PyTuple_CheckExact(groups_obj)))
         return STATUS_FALLBACK;
     const Py_ssize_t num_groups = (Py_ssize_t)ctx[CTX_GROUPS];
     const Py_ssize_t max_reqs = (Py_ssize_t)ctx[CTX_MAX_REQS];
@@ -126,26 +127,22 @@ static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *
         w1 += 1;
     }
 
-    /* Pass 3: commit (overlap keys, num_blocks). Nothing below can fail but the set insertion. */
+    /* Pass 3: commit. A (table, row) already stamped with this batch's epoch was written before in the
+     * same batch: those writes may overlap. */
     int overlapped = 0;
+    int64_t *stamps = (int64_t *)(intptr_t)ctx[CTX_STAMPS];
+    const int64_t epoch = ctx[CTX_EPOCH];
     for (Py_ssize_t g = 0; g <= num_groups; g++) {
-        long long table = g;
+        int64_t table = g;
         if (g == num_groups) { /* the counts row */
             if (counts_table < 0 || w1 == w)
                 break;
             table = counts_table;
         } else if (cells[g] < 0)
             continue;
-        PyObject *key = PyLong_FromLongLong((req << 16) | table);
-        if (key == NULL)
-            return -1;
-        int seen = PySet_Contains(rows_seen, key);
-        if (seen == 0)
-            seen = PySet_Add(rows_seen, key) < 0 ? -1 : 0;
-        Py_DECREF(key);
-        if (seen < 0)
-            return -1;
-        overlapped |= seen;
+        int64_t *stamp = stamps + table * max_reqs + req;
+        overlapped |= *stamp == epoch;
+        *stamp = epoch;
     }
     for (Py_ssize_t g = 0; g < num_groups; g++)
         if (cells[g] >= 0)
@@ -156,7 +153,7 @@ static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *
     return 0;
 }
 
-static PyObject *s_arena, *s_context_addr, *s_generation, *s_num_writes, *s_num_values, *s_rows_seen, *s_may_overlap,
+static PyObject *s_arena, *s_context_addr, *s_generation, *s_num_writes, *s_num_values, *s_may_overlap,
     *s_dirty, *s_refresh, *s_python_path;
 
 static int get_ssize(PyObject *obj, PyObject *name, Py_ssize_t *out) {
@@ -192,7 +189,7 @@ static PyObject *append_block_ids(PyObject *self, PyObject *const *args, Py_ssiz
     PyObject *arena = PyObject_GetAttr(bt, s_arena);
     if (arena == NULL)
         return NULL;
-    PyObject *rows_seen = NULL, *result = NULL;
+    PyObject *result = NULL;
     Py_ssize_t ctx_addr, generation, w, v, w1, v1;
     int overlapped, status;
     for (int attempt = 0;; attempt++) {
@@ -207,11 +204,7 @@ static PyObject *append_block_ids(PyObject *self, PyObject *const *args, Py_ssiz
         }
         if (get_ssize(arena, s_num_writes, &w) < 0 || get_ssize(arena, s_num_values, &v) < 0)
             goto done;
-        Py_XDECREF(rows_seen);
-        rows_seen = PyObject_GetAttr(arena, s_rows_seen);
-        if (rows_seen == NULL)
-            goto done;
-        status = stage_core(ctx, w, v, rows_seen, req, groups, overwrite, &w1, &v1, &overlapped);
+        status = stage_core(ctx, w, v, req, groups, overwrite, &w1, &v1, &overlapped);
         if (status < 0)
             goto done;
         if (status == 0) {
@@ -244,7 +237,6 @@ static PyObject *append_block_ids(PyObject *self, PyObject *const *args, Py_ssiz
         goto done;
     }
 done:
-    Py_XDECREF(rows_seen);
     Py_DECREF(arena);
     return result;
 }
@@ -333,12 +325,11 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
     s_generation = PyUnicode_InternFromString("generation");
     s_num_writes = PyUnicode_InternFromString("num_writes");
     s_num_values = PyUnicode_InternFromString("num_values");
-    s_rows_seen = PyUnicode_InternFromString("rows_seen");
     s_may_overlap = PyUnicode_InternFromString("may_overlap");
     s_dirty = PyUnicode_InternFromString("_num_blocks_dirty");
     s_refresh = PyUnicode_InternFromString("_refresh_context");
     s_python_path = PyUnicode_InternFromString("_append_block_ids_python");
-    if (!s_arena || !s_context_addr || !s_generation || !s_num_writes || !s_num_values || !s_rows_seen ||
+    if (!s_arena || !s_context_addr || !s_generation || !s_num_writes || !s_num_values ||
         !s_may_overlap || !s_dirty || !s_refresh || !s_python_path)
         return NULL;
     return PyModule_Create(&module);

@@ -122,9 +122,16 @@ class BlockTables:
         self._groups = [(k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(self.kernel_blocks_per_block, widths)]
         # int64 context of the compiled path: arena and num_blocks addresses and sizes, then per group
         # (k, width, max id); see multiwrite/_cstaging.c.
-        self._context = np.zeros(9 + 3 * num_groups, dtype=np.int64)
+        self._context = np.zeros(11 + 3 * num_groups, dtype=np.int64)
         self._context[6] = num_groups
-        self._context[9:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
+        self._context[11:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
+        # Overlap detection: per (table, row) the epoch of the batch that last staged a write there; a
+        # batch's epoch ends when it is applied or cleared, so no stamp ever needs clearing.
+        self._stamps = np.zeros((num_groups + 1, self.max_num_reqs), dtype=np.int64)
+        self._stamps_view = self._stamps.data.cast("B").cast("q")
+        self._context[9] = self._stamps.ctypes.data
+        self._context[10] = 1  # the epoch
+        self._arena.stamped = True
         self._context[4] = self.num_blocks.ctypes.data
         self._context[5] = self.max_num_reqs
         self._counts_table = num_groups  # the num_blocks view's table index in the arena
@@ -214,9 +221,10 @@ class BlockTables:
         if w + len(groups) + 1 > arena.meta.shape[0]:
             arena.reserve(len(groups) + 1, 0)
         pack = arena.pack_meta
-        seen = arena.rows_seen
+        stamps, ctx = self._stamps_view, self._context_view
+        epoch = ctx[10]
+        R = self.max_num_reqs
         counts = []
-        row_key = req << 16
         g = start = -1
         try:
             for g, ids in enumerate(new_block_ids):
@@ -259,17 +267,14 @@ class BlockTables:
                 pack(arena.meta_bytes, w * _META_BYTES, g, req, start, cells, v)  # after any reserve
                 w += 1
                 v += cells
-                key = row_key | g
-                if key in seen:
+                if stamps[g * R + req] == epoch:
                     arena.may_overlap = True
-                else:
-                    seen.add(key)
+                stamps[g * R + req] = epoch
                 counts.append(start + cells)
                 counts.append(g)
         except (TypeError, ValueError, OverflowError) as exc:
             # Nothing of this call stays staged: the counters never moved; forget its row keys.
-            arena.may_overlap = may_overlap0
-            arena.rebuild_rows_seen()
+            arena.may_overlap = may_overlap0  # (stamps left by this call only make overlaps more likely)
             if isinstance(exc, StagedWriteError):
                 raise
             describe = self._describer(g, req, start)
@@ -290,11 +295,9 @@ class BlockTables:
         arena.pack_meta(arena.meta_bytes, w * _META_BYTES, counts_table, req, 0, len(groups), v)
         w += 1
         v += len(groups)
-        key = row_key | counts_table
-        if key in seen:
+        if stamps[counts_table * R + req] == epoch:
             arena.may_overlap = True
-        else:
-            seen.add(key)
+        stamps[counts_table * R + req] = epoch
         arena.num_writes = w
         arena.num_values = v
         self._num_blocks_dirty = True
@@ -325,6 +328,7 @@ class BlockTables:
         """
         self._writer.apply(self._all)
         self._num_blocks_dirty = False
+        self._context_view[10] += 1  # a new batch: every (table, row) is free again
 
     def clear_staged_writes(self) -> None:
         """Drop every staged write and restore `num_blocks` to its value at the last apply.
@@ -332,6 +336,7 @@ class BlockTables:
         On a GPU this reads `num_blocks_device` back (a synchronizing copy).
         """
         self._arena.clear()
+        self._context_view[10] += 1
         np.copyto(self.num_blocks, self.num_blocks_device.cpu().numpy())
         self._num_blocks_dirty = False
 

@@ -114,6 +114,7 @@ class StagingArena:
         "lender",
         "meta_addr",
         "values_addr",
+        "stamped",
     )
 
     #: `pack_meta(meta_bytes, write_index * 20, table, row, start, length, value_offset)` stores one
@@ -134,6 +135,9 @@ class StagingArena:
         self.layout_version = 0  # bumped whenever a table is added or replaced
         self.generation = 0  # bumped whenever `meta` or `values` is reallocated
         self.lender: StagingBuffers | None = None
+        # True when an owner (BlockTables) tracks overlaps of its own writes outside `rows_seen`: any
+        # other write into the arena is then assumed to overlap (correct, merely slower to apply).
+        self.stamped = False
         self.meta_addr = self.meta.ctypes.data
         self.values_addr = self.values.ctypes.data
 
@@ -208,7 +212,7 @@ class StagingArena:
         self.reserve(1, 0)
         self.pack_meta(self.meta_bytes, self.num_writes * META_COLUMNS * 4, table, row, start, length, value_offset)
         key = row << 16 | table
-        if key in self.rows_seen:
+        if key in self.rows_seen or self.stamped:
             self.may_overlap = True
         else:
             self.rows_seen.add(key)

@@ -157,3 +157,25 @@ def test_applied_tables_are_not_kept_alive(backend):
     del bt
     gc.collect()
     assert group() is None
+
+
+def test_overlap_flag_follows_the_writes_of_a_batch(staging):
+    """Backends that write in parallel (the Triton kernel) rely on this flag to keep staging order."""
+    bt = BlockTables([16, 32], 4, [8, 8], "cpu", [16, 16], backend="torch-cpu")
+    bt.append_block_ids(0, ([1], [2]), True)
+    bt.append_block_ids(1, ([3], []), True)
+    bt.append_block_ids(2, ([], [4]), False)
+    assert not bt._arena.may_overlap  # distinct rows
+    bt.append_block_ids(1, ([5], []), False)  # row 1 again in the same batch
+    assert bt._arena.may_overlap
+    bt.apply_staged_writes()
+    assert not bt._arena.may_overlap
+    bt.append_block_ids(1, ([6], []), False)  # a new batch: row 1 is free again
+    assert not bt._arena.may_overlap
+    bt.clear_staged_writes()
+    bt.append_block_ids(1, ([6], []), False)
+    assert not bt._arena.may_overlap
+    bt[0].stage_write(3, 0, [9])  # a direct write into a group: assumed to overlap
+    assert bt._arena.may_overlap
+    bt.apply_staged_writes()
+    assert bt[0].tensor[:, :3].tolist() == [[1, 0, 0], [3, 5, 6], [0, 0, 0], [9, 0, 0]]
