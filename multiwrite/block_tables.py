@@ -25,6 +25,9 @@ except ImportError:  # pragma: no cover - depends on the install
     _stage_block_ids = None
 
 _META_BYTES = META_COLUMNS * 4  # one int32 metadata row
+# Slots of the compiled path's int64 context, as the CTX_* enum of multiwrite/_cstaging.c.
+(_CTX_META, _CTX_META_CAP, _CTX_VALUES, _CTX_VALUES_CAP, _CTX_NUM_BLOCKS, _CTX_MAX_REQS, _CTX_GROUPS,
+ _CTX_GENERATION, _CTX_COUNTS_TABLE, _CTX_STAMPS, _CTX_EPOCH, _CTX_GROUP0) = range(12)  # fmt: skip
 
 
 class BlockTables:
@@ -120,24 +123,23 @@ class BlockTables:
         self._widths = widths
         # Per group: k, row width, largest manager id whose kernel ids b*k + k - 1 fit int32.
         self._groups = [(k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(self.kernel_blocks_per_block, widths)]
-        # int64 context of the compiled path: arena and num_blocks addresses and sizes, then per group
-        # (k, width, max id); see multiwrite/_cstaging.c.
-        self._context = np.zeros(11 + 3 * num_groups, dtype=np.int64)
-        self._context[6] = num_groups
-        self._context[11:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)
         # Overlap detection: per (table, row) the epoch of the batch that last staged a write there; a
         # batch's epoch ends when it is applied or cleared, so no stamp ever needs clearing.
         self._stamps = np.zeros((num_groups + 1, self.max_num_reqs), dtype=np.int64)
         self._stamps_view = self._stamps.data.cast("B").cast("q")
-        self._context[9] = self._stamps.ctypes.data
-        self._context[10] = 1  # the epoch
         self._arena.stamped = True
-        self._context[4] = self.num_blocks.ctypes.data
-        self._context[5] = self.max_num_reqs
         self._counts_table = num_groups  # the num_blocks view's table index in the arena
-        self._context[8] = self._counts_table
-        self._context_addr = self._context.ctypes.data
-        self._context_view = self._context.data  # int64 stores without numpy scalar overhead
+        # The int64 context of the compiled path (layout: the CTX_* enum of multiwrite/_cstaging.c).
+        ctx = self._context = np.zeros(_CTX_GROUP0 + 3 * num_groups, dtype=np.int64)
+        ctx[_CTX_NUM_BLOCKS] = self.num_blocks.ctypes.data
+        ctx[_CTX_MAX_REQS] = self.max_num_reqs
+        ctx[_CTX_GROUPS] = num_groups
+        ctx[_CTX_COUNTS_TABLE] = self._counts_table
+        ctx[_CTX_STAMPS] = self._stamps.ctypes.data
+        ctx[_CTX_EPOCH] = 1
+        ctx[_CTX_GROUP0:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)  # per group: k, width, max id
+        self._context_addr = ctx.ctypes.data
+        self._context_view = ctx.data  # int64 stores without numpy scalar overhead
         self._refresh_context()
 
     @property
@@ -184,11 +186,11 @@ class BlockTables:
     def _refresh_context(self) -> None:
         """Point the compiled path at the arena's current arrays (after any reallocation or rotation)."""
         arena, ctx = self._arena, self._context_view
-        ctx[0] = arena.meta_addr
-        ctx[1] = arena.meta.shape[0]
-        ctx[2] = arena.values_addr
-        ctx[3] = arena.values.shape[0]
-        ctx[7] = arena.generation
+        ctx[_CTX_META] = arena.meta_addr
+        ctx[_CTX_META_CAP] = arena.meta.shape[0]
+        ctx[_CTX_VALUES] = arena.values_addr
+        ctx[_CTX_VALUES_CAP] = arena.values.shape[0]
+        ctx[_CTX_GENERATION] = arena.generation
 
     def _append_block_ids_python(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
         """`append_block_ids` without the compiled path: same checks, same staged data, precise errors."""
@@ -221,8 +223,8 @@ class BlockTables:
         if w + len(groups) + 1 > arena.meta.shape[0]:
             arena.reserve(len(groups) + 1, 0)
         pack = arena.pack_meta
-        stamps, ctx = self._stamps_view, self._context_view
-        epoch = ctx[10]
+        stamps = self._stamps_view
+        epoch = self._context_view[_CTX_EPOCH]
         R = self.max_num_reqs
         counts = []
         g = start = -1
@@ -328,7 +330,7 @@ class BlockTables:
         """
         self._writer.apply(self._all)
         self._num_blocks_dirty = False
-        self._context_view[10] += 1  # a new batch: every (table, row) is free again
+        self._context_view[_CTX_EPOCH] += 1  # a new batch: every (table, row) is free again
 
     def clear_staged_writes(self) -> None:
         """Drop every staged write and restore `num_blocks` to its value at the last apply.
@@ -336,7 +338,7 @@ class BlockTables:
         On a GPU this reads `num_blocks_device` back (a synchronizing copy).
         """
         self._arena.clear()
-        self._context_view[10] += 1
+        self._context_view[_CTX_EPOCH] += 1
         np.copyto(self.num_blocks, self.num_blocks_device.cpu().numpy())
         self._num_blocks_dirty = False
 
