@@ -177,6 +177,8 @@ class LaunchParams(NamedTuple):
     block_w: int  #: writes per program tile
     block_l: int  #: cells per write per column chunk
     max_splits: int  #: most column-chunk programs per tile (second grid axis)
+    decode_block_w: int = 128  #: tile of a batch of at most PRELOADED_VALUES values (a decode step):
+    decode_block_l: int = 8  #: many short writes, so that one program (no completion counter) takes it all
 
 
 def cuda_launch_params() -> LaunchParams:
@@ -460,11 +462,12 @@ class TritonWriter:
         self._ring = _Ring(self, depth, extra_words=1)  # for batches that arrive as plain arrays
         self._retiring: list[_Ring] = []  # rings of dead arenas, kept alive while kernels may read them
         self._descs: OrderedDict[tuple, _Descriptors] = OrderedDict()
-        self._fire: dict = {}  # values numpy dtype -> bound fast launch, or None when it cannot be bound
+        self._fire: dict = {}  # (values numpy dtype, decode?) -> bound fast launch, or None when it cannot be
         self._last_key: tuple | None = None
         self._last_desc: _Descriptors = None  # type: ignore[assignment]  # set with _last_key
         self._bw, self._bl, self._max_splits = params.block_w, params.block_l, params.max_splits
         self._bw1, self._bl1 = params.block_w - 1, params.block_l - 1
+        self._dbw, self._dbw1 = params.decode_block_w, params.decode_block_w - 1
         self.launch_path = "interpreter" if INTERPRETED else "jit"
 
     # -- descriptors ------------------------------------------------------------------------------
@@ -526,24 +529,26 @@ class TritonWriter:
                     rounds = 1
                 slot.meta[:w] = meta
                 slot.views[values.dtype][:v] = values
+            decode = v <= PRELOADED_VALUES  # a decode step: many short writes, values preloaded
             if rounds > 1:
                 grid0 = grid1 = 1
+            elif decode:
+                grid0, grid1 = (w + self._dbw1) // self._dbw, 1
             else:
                 grid0 = (w + self._bw1) // self._bw
                 grid1 = (v + self._bl1) // self._bl  # column chunks of the longest write, at most
-                if v <= PRELOADED_VALUES:  # a decode step: its writes are short, splits would idle
-                    grid1 = 1
-                elif grid1 > 1:
+                if grid1 > 1:
                     grid1 = max(1, min(grid1, self._max_splits, self._max_programs // grid0))
             token = ring.next_token(i)
             args = (
                 desc.addr, slot.meta_addr, slot.values_addr, slot.bounds_addr, ring.counter_addr[i],
                 ring.done_addr[i], token, desc.num_tables, w, v, rounds,
             )  # fmt: skip
-            fire = self._fire.get(values.dtype)
+            variant = (values.dtype, decode)
+            fire = self._fire.get(variant)
             try:
                 if fire is None:
-                    self._launch_jit(tables[0].dtype, values.dtype, grid0, grid1, args)
+                    self._launch_jit(tables[0].dtype, variant, grid0, grid1, args)
                 elif self._index == _get_device():
                     fire(grid0, grid1, _get_stream(self._index), args)
                 else:
@@ -554,17 +559,21 @@ class TritonWriter:
                 raise
             ring.launched(i)
 
-    def _launch_jit(self, dtype: torch.dtype, np_dtype: np.dtype, grid0: int, grid1: int, args: tuple) -> None:
-        """Launch through Triton's JIT (`kernel[grid](...)`); on a GPU, then try to bind a fast launcher."""
+    def _launch_jit(self, dtype: torch.dtype, variant: tuple, grid0: int, grid1: int, args: tuple) -> None:
+        """Launch through Triton's JIT (`kernel[grid](...)`); on a GPU, then try to bind a fast launcher.
+
+        `variant` is (values numpy dtype, decode tile?): one compiled kernel and launcher each.
+        """
         p = self.params
-        consts = {"VALUE_DTYPE": TL_DTYPES[dtype], "BLOCK_W": p.block_w, "BLOCK_L": p.block_l}
+        bw, bl = (p.decode_block_w, p.decode_block_l) if variant[1] else (p.block_w, p.block_l)
+        consts = {"VALUE_DTYPE": TL_DTYPES[dtype], "BLOCK_W": bw, "BLOCK_L": bl}
         if not self.is_gpu:
             _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
             return
         with torch.cuda.device(self._index):
             kernel = _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
-        if np_dtype not in self._fire and self.launcher != "jit":
-            self._fire[np_dtype] = self._bind_fast(kernel, (consts["VALUE_DTYPE"], p.block_w, p.block_l))
+        if variant not in self._fire and self.launcher != "jit":
+            self._fire[variant] = self._bind_fast(kernel, (consts["VALUE_DTYPE"], bw, bl))
 
     def _bind_fast(self, kernel, consts: tuple):
         """A launch function `fire(grid0, grid1, stream, args)` that bypasses the JIT, or None.

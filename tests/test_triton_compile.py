@@ -30,6 +30,14 @@ NVIDIA = [80, 90]
 #: (arch, wavefront size as the ROCm runtime reports it: 64 on CDNA, 32 by default on RDNA3)
 AMD = [("gfx90a", 64), ("gfx942", 64), ("gfx1100", 32)]
 DTYPES = [torch.int32, torch.int64, torch.float32]
+#: The two tiles the writer launches: the general one, and the one for decode steps (<= 256 values).
+TILES = ["main", "decode"]
+
+
+def _tile(params: tk.LaunchParams, tile: str) -> tk.LaunchParams:
+    if tile == "main":
+        return params
+    return params._replace(block_w=params.decode_block_w, block_l=params.decode_block_l)
 
 
 def _compile(target: GPUTarget, params: tk.LaunchParams, dtype: torch.dtype):
@@ -44,16 +52,16 @@ def _worker() -> None:
     """Compile every variant and print what the tests check, as JSON (run without TRITON_INTERPRET)."""
     out = {}
     for arch in NVIDIA:
-        for dtype in DTYPES:
-            k = _compile(GPUTarget("cuda", arch, 32), tk.cuda_launch_params(), dtype)
-            out[f"sm_{arch}-{dtype}"] = {
+        for dtype, tile in ((d, t) for d in DTYPES for t in TILES):
+            k = _compile(GPUTarget("cuda", arch, 32), _tile(tk.cuda_launch_params(), tile), dtype)
+            out[f"sm_{arch}-{dtype}-{tile}"] = {
                 "binary": base64.b64encode(k.asm["cubin"]).decode(), "isa": k.asm["ptx"],
                 "num_warps": k.metadata.num_warps, "warp_size": k.metadata.warp_size,
             }  # fmt: skip
     for arch, ws in AMD:
-        for dtype in DTYPES:
-            k = _compile(GPUTarget("hip", arch, ws), tk.rocm_launch_params(ws), dtype)
-            out[f"{arch}-{dtype}"] = {
+        for dtype, tile in ((d, t) for d in DTYPES for t in TILES):
+            k = _compile(GPUTarget("hip", arch, ws), _tile(tk.rocm_launch_params(ws), tile), dtype)
+            out[f"{arch}-{dtype}-{tile}"] = {
                 "binary": base64.b64encode(k.asm["hsaco"]).decode(), "isa": k.asm["amdgcn"],
                 "num_warps": k.metadata.num_warps, "warp_size": k.metadata.warp_size,
             }  # fmt: skip
@@ -99,11 +107,12 @@ def _ptxas_spills(ptx: str, arch: int) -> tuple[int, int, str]:
     return int(m.group(1)), int(m.group(2)), log
 
 
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("arch", NVIDIA, ids=lambda a: f"sm_{a}")
-def test_compiles_for_nvidia(compiled, arch, dtype):
+def test_compiles_for_nvidia(compiled, arch, dtype, tile):
     params = tk.cuda_launch_params()
-    k = compiled[f"sm_{arch}-{dtype}"]
+    k = compiled[f"sm_{arch}-{dtype}-{tile}"]
     assert k["num_warps"] == params.num_warps and k["num_warps"] * k["warp_size"] <= 1024
     cubin = base64.b64decode(k["binary"])
     assert len(cubin) > 0
@@ -120,13 +129,14 @@ def test_compiles_for_nvidia(compiled, arch, dtype):
         assert "STG" in sass, sass[:2000]
 
 
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("arch,warp_size", AMD, ids=[a for a, _ in AMD])
-def test_compiles_for_amd(compiled, arch, warp_size, dtype):
+def test_compiles_for_amd(compiled, arch, warp_size, dtype, tile):
     params = tk.rocm_launch_params(warp_size)
     assert params.num_warps * warp_size <= 1024, "AMD rejects launches above 1024 lanes"
     assert params.block_l % 64 == 0, "column chunks must be whole 64-lane runs"
-    k = compiled[f"{arch}-{dtype}"]
+    k = compiled[f"{arch}-{dtype}-{tile}"]
     assert k["warp_size"] == warp_size and k["num_warps"] == params.num_warps
     assert k["num_warps"] * k["warp_size"] <= 1024
     assert len(base64.b64decode(k["binary"])) > 0
@@ -198,7 +208,7 @@ def _cache_keys(fn, launches, target: GPUTarget, params: tk.LaunchParams) -> set
     [(GPUTarget("cuda", 90, 32), tk.cuda_launch_params()), (GPUTarget("hip", "gfx942", 64), tk.rocm_launch_params(64))],
     ids=["cuda", "hip"],
 )
-def test_hundred_batch_shapes_compile_one_variant_per_dtype(target, params):
+def test_hundred_batch_shapes_compile_one_variant_per_dtype_and_tile(target, params):
     launches = _recorded_launches()
     assert len(launches) == 100
     rounds = {args[-1] for _, args in launches}
