@@ -634,12 +634,16 @@ class TritonWriter:
         return None
 
     def _validate(self, fire) -> None:
-        """One no-op launch through `fire`: it must complete and store its token (one sync, once)."""
+        """One no-op launch through `fire`: it must complete and store its token (once per variant).
+
+        It runs on a stream of its own, so the caller's stream (maybe busy) is never waited for.
+        """
         ring, i = self._ring, self.depth
         token = int(ring.done[i]) % 0x7FFFFFFF + 1
         args = (0, 0, 0, 0, ring.counter_addr[i], ring.done_addr[i], token, 0, 0, 0, 1)
         with torch.cuda.device(self._index):
-            fire(1, 1, torch._C._cuda_getCurrentRawStream(self._index), args)
-            torch.cuda.current_stream(self.device).synchronize()
+            stream = torch.cuda.Stream(self.device)
+            fire(1, 1, stream.cuda_stream, args)
+            stream.synchronize()
         if int(ring.done[i]) != token:
             raise RuntimeError(f"validation launch did not complete (done word {int(ring.done[i])} != {token})")
