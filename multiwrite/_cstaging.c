@@ -154,7 +154,7 @@ static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *
 }
 
 static PyObject *s_arena, *s_context_addr, *s_generation, *s_num_writes, *s_num_values, *s_may_overlap,
-    *s_dirty, *s_refresh, *s_python_path;
+    *s_refresh, *s_python_path;
 
 static int get_ssize(PyObject *obj, PyObject *name, Py_ssize_t *out) {
     PyObject *value = PyObject_GetAttr(obj, name);
@@ -210,8 +210,7 @@ static PyObject *append_block_ids(PyObject *self, PyObject *const *args, Py_ssiz
         if (status == 0) {
             if (w1 != w) {
                 if (set_ssize(arena, s_num_writes, w1) < 0 || set_ssize(arena, s_num_values, v1) < 0 ||
-                    (overlapped && PyObject_SetAttr(arena, s_may_overlap, Py_True) < 0) ||
-                    PyObject_SetAttr(bt, s_dirty, Py_True) < 0)
+                    (overlapped && PyObject_SetAttr(arena, s_may_overlap, Py_True) < 0))
                     goto done;
             }
             result = Py_NewRef(Py_None);
@@ -326,11 +325,10 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
     s_num_writes = PyUnicode_InternFromString("num_writes");
     s_num_values = PyUnicode_InternFromString("num_values");
     s_may_overlap = PyUnicode_InternFromString("may_overlap");
-    s_dirty = PyUnicode_InternFromString("_num_blocks_dirty");
     s_refresh = PyUnicode_InternFromString("_refresh_context");
     s_python_path = PyUnicode_InternFromString("_append_block_ids_python");
     if (!s_arena || !s_context_addr || !s_generation || !s_num_writes || !s_num_values ||
-        !s_may_overlap || !s_dirty || !s_refresh || !s_python_path)
+        !s_may_overlap || !s_refresh || !s_python_path)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -117,7 +117,6 @@ class BlockTables:
         # num_blocks' transposed [max_num_reqs, num_groups] view, applied by the same backend call.
         self._num_blocks_staged = StagedWriteTensor._attach(self.num_blocks_device.t(), "num_blocks", 1, self._arena)
         self._num_blocks_view = self.num_blocks.data
-        self._num_blocks_dirty = False
         self._all = [*self.block_tables, self._num_blocks_staged]
         self._writer = FusedStagedWriter(self.block_tables[0].device, backend)
         self._widths = widths
@@ -302,7 +301,6 @@ class BlockTables:
         stamps[counts_table * R + req] = epoch
         arena.num_writes = w
         arena.num_values = v
-        self._num_blocks_dirty = True
         for i in range(0, len(counts), 2):
             num_blocks[counts[i + 1], req] = counts[i]
 
@@ -329,7 +327,6 @@ class BlockTables:
         On a GPU this enqueues one kernel launch on the current stream and returns without waiting.
         """
         self._writer.apply(self._all)
-        self._num_blocks_dirty = False
         self._context_view[_CTX_EPOCH] += 1  # a new batch: every (table, row) is free again
 
     def clear_staged_writes(self) -> None:
@@ -340,7 +337,6 @@ class BlockTables:
         self._arena.clear()
         self._context_view[_CTX_EPOCH] += 1
         np.copyto(self.num_blocks, self.num_blocks_device.cpu().numpy())
-        self._num_blocks_dirty = False
 
     def __repr__(self) -> str:
         return (

@@ -219,11 +219,6 @@ class StagingArena:
         self.num_writes += 1
         self.num_values = value_offset + length
 
-    def rebuild_rows_seen(self) -> None:
-        """Recompute `rows_seen` from the committed writes (after a rejected write)."""
-        meta = self.meta[: self.num_writes]
-        self.rows_seen = set(((meta[:, META_ROW].astype(np.int64) << 16) | meta[:, META_TABLE]).tolist())
-
     def count_for(self, table: int) -> int:
         """Number of staged writes of one table."""
         if len(self.targets) == 1:
