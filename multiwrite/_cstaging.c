@@ -244,8 +244,10 @@ done:
  * (so where writes overlap the later one wins). meta: C-contiguous int32 [num_writes, 5] (table, row,
  * start, length, value offset); values: C-contiguous 1-D buffer of 4- or 8-byte items; tables:
  * C-contiguous int64 [num_tables, 5] (base address, row stride, column stride, rows, columns; strides
- * in elements of the values' item size). Every write is checked against its table first; on a bad one
- * nothing is written and ValueError is raised. */
+ * in elements of the values' item size). Every write is checked against its table's shape and the
+ * values first; on a bad one nothing is written and ValueError is raised, naming the write, its table
+ * index and shape, row, start, length and value offset. Empty writes are no-ops (not checked but for
+ * their table index). */
 static PyObject *scatter_writes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "scatter_writes takes 3 arguments");
@@ -270,13 +272,21 @@ static PyObject *scatter_writes(PyObject *self, PyObject *const *args, Py_ssize_
     const Py_ssize_t num_values = vb.len / item;
     for (Py_ssize_t w = 0; w < num_writes; w++) { /* check everything before writing anything */
         const int32_t *m = meta + 5 * w;
+        if (m[0] < 0 || m[0] >= num_tables) {
+            PyErr_Format(PyExc_ValueError, "scatter_writes: write %zd (table %d of a batch of %zd tables, row %d, "
+                         "start %d, length %d) names no table of the batch; nothing was written",
+                         w, m[0], num_tables, m[1], m[2], m[3]);
+            goto done;
+        }
         if (m[3] == 0)
             continue;
-        const int64_t *t = (m[0] >= 0 && m[0] < num_tables) ? tables + 5 * (int64_t)m[0] : NULL;
-        if (t == NULL || m[1] < 0 || m[1] >= t[3] || m[2] < 0 || m[3] < 0 || (int64_t)m[2] + m[3] > t[4] ||
-            m[4] < 0 || (int64_t)m[4] + m[3] > num_values) {
+        const int64_t *t = tables + 5 * (int64_t)m[0];
+        if (m[1] < 0 || m[1] >= t[3] || m[2] < 0 || m[3] < 0 || (int64_t)m[2] + m[3] > t[4] || m[4] < 0 ||
+            (int64_t)m[4] + m[3] > num_values) {
             PyErr_Format(PyExc_ValueError, "scatter_writes: write %zd (table %d, row %d, start %d, length %d) "
-                         "is outside its table or the values", w, m[0], m[1], m[2], m[3]);
+                         "is outside its table (shape (%lld, %lld)) or the values (offset %d of %zd); "
+                         "nothing was written", w, m[0], m[1], m[2], m[3], (long long)t[3], (long long)t[4], m[4],
+                         num_values);
             goto done;
         }
     }
