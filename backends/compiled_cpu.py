@@ -39,7 +39,7 @@ class CompiledCpuBackend(Backend):
 
     Raises (from `apply`):
         StagedWriteError: a write outside its table's current shape or outside the values, or values of
-            another dtype than the tables'; nothing of that batch (nor of the batches after it) was written.
+            another dtype than the tables'; nothing of any batch was written.
     """
 
     NAME = "compiled-cpu"
@@ -81,7 +81,9 @@ class CompiledCpuBackend(Backend):
         return entry
 
     def apply(self, batches: Sequence[WriteBatch]) -> None:
-        """Write every batch into its tables; see `Backend.apply`."""
+        """Write every batch into its tables; see `Backend.apply`. With several batches (dtypes), every
+        batch is checked before any is written."""
+        work = []
         for batch in batches:
             if not batch.values.shape[0]:
                 continue  # only empty writes
@@ -91,12 +93,16 @@ class CompiledCpuBackend(Backend):
             if values.dtype != np_dtype:  # the C helper copies raw items: they must be the tables' own
                 raise StagedWriteError(
                     f"{self.NAME}: values of dtype {values.dtype} for {dtype_name(tables[0].dtype)} tables; "
-                    "nothing of this batch was written"
+                    "nothing was written"
                 )
-            try:
-                scatter_writes(np.ascontiguousarray(batch.meta), np.ascontiguousarray(values), descriptors)
-            except ValueError as exc:  # a write outside its table: the C helper checked all before writing
-                raise StagedWriteError(f"{self.NAME} ({dtype_name(tables[0].dtype)} tables): {exc}") from None
+            work.append((np.ascontiguousarray(batch.meta), np.ascontiguousarray(values), descriptors, tables[0].dtype))
+        passes = (True, False) if len(work) > 1 else (False,)
+        for check_only in passes:
+            for meta, values, descriptors, dtype in work:
+                try:
+                    scatter_writes(meta, values, descriptors, check_only)
+                except ValueError as exc:  # a write outside its table: the C helper checks before writing
+                    raise StagedWriteError(f"{self.NAME} ({dtype_name(dtype)} tables): {exc}") from None
 
 
 _BACKEND = CompiledCpuBackend()

@@ -106,13 +106,14 @@ def check_writes(meta: np.ndarray, num_values: int, plan: _Plan, backend: str = 
     w = int(np.argmin(ok))
     tab, r, s, ln, off = (int(x) for x in meta[w, [META_TABLE, META_ROW, META_START, META_LENGTH, META_VALUE_OFFSET]])
     if not 0 <= tab < len(plan.shapes):
-        where = f"table {tab} of a batch of {len(plan.shapes)} tables"
-    else:
-        shape, dtype = plan.shapes[tab]
-        where = f"table {tab} of the batch (shape {shape}, {dtype_name(dtype)})"
+        raise StagedWriteError(
+            f"{backend}: write {w} (table {tab} of a batch of {len(plan.shapes)} tables, row {r}, start {s}, "
+            f"length {ln}) names no table of the batch; nothing was written"
+        )
+    shape, dtype = plan.shapes[tab]
     raise StagedWriteError(
-        f"{backend}: write {w} ({where}, row {r}, start {s}, length {ln}, value offset {off} of {num_values}) "
-        "is outside its table's current shape or the staged values; nothing of this batch was written"
+        f"{backend}: write {w} (table {tab}, row {r}, start {s}, length {ln}) is outside its table (shape "
+        f"{shape}, {dtype_name(dtype)}) or the values (offset {off} of {num_values}); nothing was written"
     )
 
 

@@ -247,12 +247,15 @@ done:
  * in elements of the values' item size). Every write is checked against its table's shape and the
  * values first; on a bad one nothing is written and ValueError is raised, naming the write, its table
  * index and shape, row, start, length and value offset. Empty writes are no-ops (not checked but for
- * their table index). */
+ * their table index). With a true 4th argument `check_only`, only the checks run. */
 static PyObject *scatter_writes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "scatter_writes takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "scatter_writes takes 3 or 4 arguments");
         return NULL;
     }
+    const int check_only = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (check_only < 0)
+        return NULL;
     Py_buffer mb = {0}, vb = {0}, tb = {0};
     PyObject *result = NULL;
     if (PyObject_GetBuffer(args[0], &mb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
@@ -291,7 +294,7 @@ static PyObject *scatter_writes(PyObject *self, PyObject *const *args, Py_ssize_
         }
     }
     const char *src = (const char *)vb.buf;
-    for (Py_ssize_t w = 0; w < num_writes; w++) {
+    for (Py_ssize_t w = 0; !check_only && w < num_writes; w++) {
         const int32_t *m = meta + 5 * w;
         if (m[3] == 0)
             continue;
@@ -321,7 +324,8 @@ static PyMethodDef methods[] = {
      "append_block_ids(block_tables, req_index, new_block_ids, overwrite): BlockTables.append_block_ids "
      "staged in C; see multiwrite/_cstaging.c."},
     {"scatter_writes", (PyCFunction)(void (*)(void))scatter_writes, METH_FASTCALL,
-     "scatter_writes(meta, values, tables): apply a WriteBatch to host-memory tables in staging order."},
+     "scatter_writes(meta, values, tables[, check_only]): apply a WriteBatch to host-memory tables in "
+     "staging order, every write checked first."},
     {NULL, NULL, 0, NULL},
 };
 
