@@ -2,43 +2,119 @@
 
 Each batch becomes one scatter per storage (one in all for `BlockTables`, whose tables share one
 allocation), with cell coordinates computed by array operations (repeat and cumulative sums over the
-write metadata): no Python loop runs over writes or values. The scatter writes through a numpy view of
-the tensors' storage, which shares their memory.
+write metadata): no Python loop runs over writes or values. Every write is checked against its table's
+current shape first (vectorized); a write outside it raises before any cell of the batch is written.
+
+The scatter writes through a numpy array over the storage's address range that does not own or keep
+alive the memory (see `_Plan`): the cache of plans therefore holds no tensor, storage or finalizer, and
+stays correct because a plan is only ever looked up with the key of live tables.
 """
 
 from __future__ import annotations
 
-import weakref
+import ctypes
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from multiwrite import Backend, WriteBatch, hookimpl
-from multiwrite.staging import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
+from multiwrite.errors import StagedWriteError
+from multiwrite.staging import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET, dtype_name
+
+#: Most plans kept (each a few small arrays per table, no tensor memory); the oldest goes first.
+PLAN_CACHE_SIZE = 64
+
+
+def plan_key(tables: Sequence[torch.Tensor]) -> tuple:
+    """Everything that decides where a table's cells are and which bit pattern a value gets there.
+
+    Per table: dtype (element size and bit pattern), address of element [0, 0] (the storage's address
+    plus the storage offset), shape and strides. Two lists of live tables with equal keys address
+    exactly the same bytes in the same way, whatever storages they belong to.
+    """
+    return tuple([(t.dtype, t.data_ptr(), t.shape, t.stride()) for t in tables])
+
+
+def _host_array(address: int, nbytes: int, dtype: torch.dtype) -> np.ndarray:
+    """A numpy array over `nbytes` of host memory at `address`: no ownership, no reference kept."""
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    if nbytes == 0:
+        return np.empty(0, dtype=np_dtype)
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=np_dtype)
 
 
 class _Plan:
-    """How to address a list of tables: per table its storage group, element offset and strides."""
+    """How to address a list of tables: storage groups, per table element offset, strides and shape.
 
-    __slots__ = ("groups", "base", "row_stride", "col_stride", "unit_col_stride")
+    `groups` holds per storage a numpy array over the storage's memory (not owning it) and the indices
+    of its tables. A plan is only used for tables whose `plan_key` equals the one it was built for, and
+    such tables are alive and own that memory for the duration of the apply.
+    """
+
+    __slots__ = ("groups", "base", "row_stride", "col_stride", "unit_col_stride", "rows", "cols", "shapes")
 
     def __init__(self, tables: Sequence[torch.Tensor]):
-        storages: dict[int, tuple[np.ndarray, list[int]]] = {}
+        storages: dict[int, tuple[np.ndarray, list[int], int]] = {}
+        base = []
         for i, t in enumerate(tables):
             storage = t.untyped_storage()
-            entry = storages.get(storage.data_ptr())
+            address = storage.data_ptr()
+            entry = storages.get(address)
             if entry is None:
-                whole = (storage.nbytes() // t.element_size(),)
-                flat = torch.empty(0, dtype=t.dtype).set_(storage, 0, whole, (1,))
-                storages[storage.data_ptr()] = (flat.numpy(), [i])
+                view = _host_array(address, storage.nbytes() // t.element_size() * t.element_size(), t.dtype)
+                storages[address] = (view, [i], address)
             else:
                 entry[1].append(i)
-        self.groups = [(view, np.asarray(idx, dtype=np.int32)) for view, idx in storages.values()]
-        self.base = np.asarray([t.storage_offset() for t in tables], dtype=np.int64)
+            base.append(t.storage_offset())
+        self.groups = [(view, np.asarray(idx, dtype=np.int32)) for view, idx, _ in storages.values()]
+        self.base = np.asarray(base, dtype=np.int64)
         self.row_stride = np.asarray([t.stride(0) for t in tables], dtype=np.int64)
         self.col_stride = np.asarray([t.stride(1) for t in tables], dtype=np.int64)
         self.unit_col_stride = bool((self.col_stride == 1).all())
+        self.rows = np.asarray([t.shape[0] for t in tables], dtype=np.int64)
+        self.cols = np.asarray([t.shape[1] for t in tables], dtype=np.int64)
+        self.shapes = [(tuple(t.shape), t.dtype) for t in tables]
+
+
+def check_writes(meta: np.ndarray, num_values: int, plan: _Plan, backend: str = "torch-cpu") -> None:
+    """Raise `StagedWriteError` naming the first non-empty write of `meta` that lies outside its table's
+    current shape (or outside the values); return quietly otherwise. Vectorized: no loop over writes."""
+    n = meta.shape[0]
+    if not n:
+        return
+    table = meta[:, META_TABLE]
+    length = meta[:, META_LENGTH].astype(np.int64)
+    in_range = (table >= 0) & (table < plan.rows.shape[0])
+    t = np.where(in_range, table, 0)
+    row = meta[:, META_ROW]
+    start = meta[:, META_START].astype(np.int64)
+    offset = meta[:, META_VALUE_OFFSET].astype(np.int64)
+    ok = in_range & (
+        (length == 0)
+        | (length > 0)
+        & (row >= 0)
+        & (row < plan.rows[t])
+        & (start >= 0)
+        & (start + length <= plan.cols[t])
+        & (offset >= 0)
+        & (offset + length <= num_values)
+    )
+    if ok.all():
+        return
+    w = int(np.argmin(ok))
+    tab, r, s, ln, off = (int(x) for x in meta[w, [META_TABLE, META_ROW, META_START, META_LENGTH, META_VALUE_OFFSET]])
+    if not 0 <= tab < len(plan.shapes):
+        raise StagedWriteError(
+            f"{backend}: write {w} (table {tab} of a batch of {len(plan.shapes)} tables, row {r}, start {s}, "
+            f"length {ln}) names no table of the batch; nothing was written"
+        )
+    shape, dtype = plan.shapes[tab]
+    raise StagedWriteError(
+        f"{backend}: write {w} (table {tab}, row {r}, start {s}, length {ln}) is outside its table (shape "
+        f"{shape}, {dtype_name(dtype)}) or the values (offset {off} of {num_values}); nothing was written"
+    )
 
 
 def scatter_indices(
@@ -72,34 +148,48 @@ def scatter_indices(
 
 
 class TorchCpuBackend(Backend):
-    """Applies batches to CPU tensors with one vectorized scatter per storage. Any number of tables."""
+    """Applies batches to CPU tensors with one vectorized scatter per storage. Any number of tables.
+
+    Shared by every writer (a module-level singleton): the plan cache is read without a lock (one dict
+    lookup is atomic) and filled and evicted under `_lock`, so threads applying distinct tables at once
+    never see a half-built plan or a failed eviction.
+
+    Raises (from `apply`):
+        StagedWriteError: a write outside its table's current shape (a table shrunk under staged
+            writes, or a batch not built by multiwrite); nothing of the batch was written.
+    """
 
     NAME = "torch-cpu"
     PRIORITY = 0
     SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
 
     def __init__(self) -> None:
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[tuple, _Plan] = {}  # plan_key -> _Plan, at most PLAN_CACHE_SIZE, oldest first
+        self._lock = threading.Lock()
 
     def _plan(self, batch: WriteBatch) -> _Plan:
-        # The key is also the staleness check: new storage, shape or strides give a new plan.
-        key = tuple([(t.data_ptr(), t.shape, t.stride()) for t in batch.tables])
+        key = plan_key(batch.tables)
         plan = self._plans.get(key)
         if plan is None:
-            if len(self._plans) >= 64:
-                self._plans.clear()
-            plan = self._plans[key] = _Plan(batch.tables)
-            for t in batch.tables:  # a plan holds views of the storages: drop it when a table dies
-                weakref.finalize(t, self._plans.pop, key, None)
+            plan = _Plan(batch.tables)
+            with self._lock:
+                while len(self._plans) >= PLAN_CACHE_SIZE:
+                    del self._plans[next(iter(self._plans))]
+                self._plans[key] = plan
         return plan
 
     def apply(self, batches: Sequence[WriteBatch]) -> None:
-        """Scatter every batch into its tables; see `Backend.apply`."""
+        """Scatter every batch into its tables; see `Backend.apply`. Every batch is checked before any
+        is written."""
+        work = []
         for batch in batches:
-            meta = batch.meta
             if batch.values.shape[0] == 0:
                 continue  # only empty writes
             plan = self._plan(batch)
+            check_writes(batch.meta, batch.values.shape[0], plan)
+            work.append((batch, plan))
+        for batch, plan in work:
+            meta = batch.meta
             single = len(plan.groups) == 1
             for view, members in plan.groups:
                 part = meta if single else meta[np.isin(meta[:, META_TABLE], members)]

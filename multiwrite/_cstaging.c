@@ -244,13 +244,18 @@ done:
  * (so where writes overlap the later one wins). meta: C-contiguous int32 [num_writes, 5] (table, row,
  * start, length, value offset); values: C-contiguous 1-D buffer of 4- or 8-byte items; tables:
  * C-contiguous int64 [num_tables, 5] (base address, row stride, column stride, rows, columns; strides
- * in elements of the values' item size). Every write is checked against its table first; on a bad one
- * nothing is written and ValueError is raised. */
+ * in elements of the values' item size). Every write is checked against its table's shape and the
+ * values first; on a bad one nothing is written and ValueError is raised, naming the write, its table
+ * index and shape, row, start, length and value offset. Empty writes are no-ops (not checked but for
+ * their table index). With a true 4th argument `check_only`, only the checks run. */
 static PyObject *scatter_writes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "scatter_writes takes 3 arguments");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "scatter_writes takes 3 or 4 arguments");
         return NULL;
     }
+    const int check_only = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (check_only < 0)
+        return NULL;
     Py_buffer mb = {0}, vb = {0}, tb = {0};
     PyObject *result = NULL;
     if (PyObject_GetBuffer(args[0], &mb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
@@ -270,18 +275,26 @@ static PyObject *scatter_writes(PyObject *self, PyObject *const *args, Py_ssize_
     const Py_ssize_t num_values = vb.len / item;
     for (Py_ssize_t w = 0; w < num_writes; w++) { /* check everything before writing anything */
         const int32_t *m = meta + 5 * w;
+        if (m[0] < 0 || m[0] >= num_tables) {
+            PyErr_Format(PyExc_ValueError, "scatter_writes: write %zd (table %d of a batch of %zd tables, row %d, "
+                         "start %d, length %d) names no table of the batch; nothing was written",
+                         w, m[0], num_tables, m[1], m[2], m[3]);
+            goto done;
+        }
         if (m[3] == 0)
             continue;
-        const int64_t *t = (m[0] >= 0 && m[0] < num_tables) ? tables + 5 * (int64_t)m[0] : NULL;
-        if (t == NULL || m[1] < 0 || m[1] >= t[3] || m[2] < 0 || m[3] < 0 || (int64_t)m[2] + m[3] > t[4] ||
-            m[4] < 0 || (int64_t)m[4] + m[3] > num_values) {
+        const int64_t *t = tables + 5 * (int64_t)m[0];
+        if (m[1] < 0 || m[1] >= t[3] || m[2] < 0 || m[3] < 0 || (int64_t)m[2] + m[3] > t[4] || m[4] < 0 ||
+            (int64_t)m[4] + m[3] > num_values) {
             PyErr_Format(PyExc_ValueError, "scatter_writes: write %zd (table %d, row %d, start %d, length %d) "
-                         "is outside its table or the values", w, m[0], m[1], m[2], m[3]);
+                         "is outside its table (shape (%lld, %lld)) or the values (offset %d of %zd); "
+                         "nothing was written", w, m[0], m[1], m[2], m[3], (long long)t[3], (long long)t[4], m[4],
+                         num_values);
             goto done;
         }
     }
     const char *src = (const char *)vb.buf;
-    for (Py_ssize_t w = 0; w < num_writes; w++) {
+    for (Py_ssize_t w = 0; !check_only && w < num_writes; w++) {
         const int32_t *m = meta + 5 * w;
         if (m[3] == 0)
             continue;
@@ -311,7 +324,8 @@ static PyMethodDef methods[] = {
      "append_block_ids(block_tables, req_index, new_block_ids, overwrite): BlockTables.append_block_ids "
      "staged in C; see multiwrite/_cstaging.c."},
     {"scatter_writes", (PyCFunction)(void (*)(void))scatter_writes, METH_FASTCALL,
-     "scatter_writes(meta, values, tables): apply a WriteBatch to host-memory tables in staging order."},
+     "scatter_writes(meta, values, tables[, check_only]): apply a WriteBatch to host-memory tables in "
+     "staging order, every write checked first."},
     {NULL, NULL, 0, NULL},
 };
 
