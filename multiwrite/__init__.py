@@ -13,7 +13,7 @@ from multiwrite.hookspecs import hookimpl
 from multiwrite.staging import StagedWriteTensor
 from multiwrite.writer import FusedStagedWriter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place the version is written (pyproject reads it)
 
 __all__ = [
     "Backend",

@@ -1,4 +1,6 @@
-"""The `Backend` base class every backend plugin subclasses, and the `WriteBatch` it receives."""
+"""The `Backend` base class every backend plugin subclasses, the `WriteBatch` it receives, and the
+column constants of `WriteBatch.meta` (`META_TABLE` ... `META_COLUMNS`). The written contract, priority
+ranges included, is `docs/backends.md`."""
 
 from __future__ import annotations
 
@@ -8,7 +10,38 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from multiwrite.staging import SUPPORTED_DTYPES, StagingBuffers, dtype_name
+from multiwrite.staging import (
+    META_COLUMNS,
+    META_LENGTH,
+    META_ROW,
+    META_START,
+    META_TABLE,
+    META_VALUE_OFFSET,
+    SUPPORTED_DTYPES,
+    StagingBuffers,
+    dtype_name,
+)
+
+__all__ = [
+    "META_COLUMNS",
+    "META_LENGTH",
+    "META_ROW",
+    "META_START",
+    "META_TABLE",
+    "META_VALUE_OFFSET",
+    "PRIORITY_BUILTIN_CPU",
+    "PRIORITY_BUILTIN_GPU",
+    "PRIORITY_FALLBACK",
+    "Backend",
+    "WriteBatch",
+]
+
+#: Priority of `torch-generic`, the built-in fallback for every torch device type (the lowest).
+PRIORITY_FALLBACK = -100
+#: Priority of the built-in CPU backends: `torch-cpu` 0, `compiled-cpu` 10.
+PRIORITY_BUILTIN_CPU = 0
+#: Priority of the built-in GPU backends (`triton-cuda`, `triton-rocm`).
+PRIORITY_BUILTIN_GPU = 100
 
 
 class WriteBatch:
@@ -76,8 +109,10 @@ class Backend:
 
     Class attributes:
         NAME: the name users force it by (`backend=` or `MULTIWRITE_BACKEND`), e.g. `"torch-cpu"`.
-        PRIORITY: higher wins when several backends can run; the built-ins use 0 (`torch-cpu`) and
-            100 (`triton-cuda`, `triton-rocm`).
+        PRIORITY: higher wins when several backends can run (ties: name, then distribution). Built-ins:
+            -100 `torch-generic`, 0 `torch-cpu`, 10 `compiled-cpu`, 100 `triton-cuda`/`triton-rocm`.
+            Third party: 50-90 for a device no built-in serves, above 100 to override a built-in;
+            see `docs/backends.md`.
         SUPPORTED_DEVICE_TYPES: torch device types it can write to, e.g. `{"cuda"}`.
         SUPPORTED_DTYPES: table dtypes it can write.
     """

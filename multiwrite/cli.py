@@ -149,6 +149,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def _add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="versions, devices and every registered backend with its status")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print each failed plugin's traceback")
     p.set_defaults(func=cmd_info)
 
 
@@ -192,7 +193,10 @@ def cmd_info(args: argparse.Namespace) -> int:
             if chosen is not None and s.name == chosen.NAME and s.taken_by is None:  # names are unique
                 mark = f"  <- selected (forced by ${BACKEND_ENV})" if forced else "  <- selected"
             priority = f"{s.priority:>4}" if s.backend is not None else "   -"
-            print(f"  {s.name:<12} priority {priority}  {state}{mark}")
+            dist = f"{s.distribution} {s.version}" if s.distribution else "-"
+            print(f"  {s.name:<13} {dist:<22} priority {priority}  {state}{mark}")
+            if getattr(args, "verbose", False) and s.traceback and device == devices[0]:
+                print("    " + s.traceback.rstrip().replace("\n", "\n    "))
         if forced and chosen is None:
             owner = next((s for s in statuses if s.name == forced and s.taken_by is None), None)
             if owner is None:
@@ -204,6 +208,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_check_backend(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-backend",
+        help="run the conformance kit against a backend: one line per property, exit 1 on any failure",
+    )
+    p.add_argument("name", help="the backend's NAME (see multiwrite info)")
+    p.add_argument("--device", default=None, help="device of the tables (default: the first it can run on)")
+    p.add_argument("--examples", type=positive_int, default=None, help="hypothesis examples per property (50)")
+    p.set_defaults(func=lambda args: __import__("multiwrite.testing").testing.check_backend(
+        args.name, args.device, args.examples))  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `multiwrite` command."""
     parser = argparse.ArgumentParser(
@@ -212,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_replay(sub)
     _add_info(sub)
+    _add_check_backend(sub)
     try:
         from multiwrite import bench
     except ImportError:

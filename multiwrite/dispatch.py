@@ -1,9 +1,18 @@
-"""Backend discovery and selection: pluggy entry points in, one `Backend` out."""
+"""Backend discovery and selection: pluggy entry points in, one `Backend` out.
+
+The plugin host survives its plugins: whatever a plugin does at import or in its hook (raise anything
+but `KeyboardInterrupt`, `sys.exit()`, return a bare backend, a non-backend, the same backend twice,
+register no hook at all) becomes a reason listed by `available_backends` and `multiwrite info`, never an
+exception in the host program. Selection is deterministic: it does not depend on the order in which the
+filesystem lists the installed distributions. The contract is written down in `docs/backends.md`.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
+import traceback
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -18,19 +27,30 @@ from multiwrite.errors import BackendUnavailableError
 
 #: Environment variable that forces a backend by name, like the `backend=` arguments.
 BACKEND_ENV = "MULTIWRITE_BACKEND"
+#: Entry-point group (and pluggy project name) of backend plugins.
+ENTRY_POINT_GROUP = "multiwrite"
+#: Priority given to plugins that provide no backend (they sort last).
+_FAILED_PRIORITY = -(10**9)
 
-_lock = threading.Lock()
-_plugin_manager: pluggy.PluginManager | None = None
-_load_errors: dict[str, str] = {}
+
+class BackendNameCollisionWarning(UserWarning):
+    """Two installed backends share a `NAME`; the message names both distributions and the owner."""
 
 
 @dataclass
 class BackendStatus:
-    """One registered backend as the dispatcher sees it for a device.
+    """One registered backend (or one plugin that provides none) as the dispatcher sees it for a device.
 
-    `backend` is None when its plugin failed to load; `reasons` is empty when it can run. `taken_by` is
-    set (to the `module.Class` of the backend that owns the name) when another backend already has this
-    backend's name: such a backend is listed, with that as its reason, but never selected.
+    Attributes:
+        name: the backend's `NAME`; for a plugin that failed, the plugin's name (its entry-point name).
+        backend: the instance, or None when its plugin failed to load or returned nothing usable.
+        priority: `backend.priority(device)`; `-10**9` for a failed plugin.
+        reasons: why it cannot run on the device checked; empty when it can.
+        taken_by: `module.Class` of the backend that owns this name when another backend does (this
+            one is then listed, with that as its reason, and never selected).
+        distribution, version: the installed distribution that declared the plugin's entry point
+            (`"multiwrite"` for the built-ins), or None for a plugin registered by hand.
+        traceback: the formatted traceback of a plugin that raised at load or in its hook, else None.
     """
 
     name: str
@@ -38,6 +58,9 @@ class BackendStatus:
     priority: int
     reasons: list[str] = field(default_factory=list)
     taken_by: str | None = None
+    distribution: str | None = None
+    version: str | None = None
+    traceback: str | None = None
 
     @property
     def available(self) -> bool:
@@ -45,34 +68,131 @@ class BackendStatus:
         return self.backend is not None and not self.reasons
 
 
+@dataclass
+class _Failure:
+    reasons: list[str]
+    distribution: str | None = None
+    version: str | None = None
+    traceback: str | None = None
+
+
+@dataclass
+class _Entry:
+    backend: Backend
+    plugin: str
+    distribution: str | None
+    version: str | None
+
+    @property
+    def builtin(self) -> bool:
+        return _is_builtin_module(type(self.backend).__module__)
+
+    def describe(self) -> str:
+        dist = f"{self.distribution} {self.version}" if self.distribution else f"plugin {self.plugin!r}"
+        return f"{dist} ({_qualname(self.backend)})"
+
+
+class _Host:
+    """The plugin manager plus what pluggy does not keep: load failures and each plugin's distribution."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        self.pm.add_hookspecs(hookspecs)
+        self.failures: dict[str, _Failure] = {}
+        self.dists: dict[str, tuple[str | None, str | None]] = {}
+        self.warned: set[tuple[str, ...]] = set()
+
+    def load_entry_points(self) -> None:
+        eps = sorted(
+            entry_points(group=ENTRY_POINT_GROUP),
+            key=lambda ep: (not _is_builtin_module(ep.module), _dist_of(ep)[0] or "", ep.name, ep.value),
+        )
+        for ep in eps:
+            dist, version = _dist_of(ep)
+            name = ep.name
+            if self.pm.has_plugin(name) or name in self.failures:
+                name = f"{ep.name} ({dist or ep.value})"
+                if self.pm.has_plugin(name) or name in self.failures:
+                    continue  # the same entry point seen twice (a distribution on sys.path twice)
+            where = f"plugin {ep.value!r} (entry point {ep.name!r}" + (f" of {dist} {version})" if dist else ")")
+            try:
+                plugin = ep.load()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit too: no plugin may stop the host program
+                self.failures[name] = _Failure(
+                    [f"{where} failed to load: {type(exc).__name__}: {exc}"], dist, version, traceback.format_exc()
+                )
+                continue
+            if self.pm.is_registered(plugin):  # two entry points may name one module
+                continue
+            try:
+                self.pm.register(plugin, name=name)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # pluggy's validation of the hook implementations
+                self.failures[name] = _Failure(
+                    [f"{where} was rejected: {type(exc).__name__}: {exc}"], dist, version, traceback.format_exc()
+                )
+                continue
+            if not self.pm.get_hookcallers(plugin):
+                self.pm.unregister(plugin)
+                self.failures[name] = _Failure(
+                    [
+                        f"{where} registers no hook implementation: is its `multiwrite_backends` function "
+                        "decorated with `@multiwrite.hookimpl`?"
+                    ],
+                    dist,
+                    version,
+                )
+                continue
+            self.dists[name] = (dist, version)
+
+
+_lock = threading.Lock()
+_host: _Host | None = None
+
+
+def _dist_of(ep: Any) -> tuple[str | None, str | None]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    try:
+        return str(dist.metadata["Name"]), str(dist.version)
+    except Exception:
+        return None, None
+
+
+def _get_host() -> _Host:
+    global _host
+    with _lock:
+        if _host is None:
+            host = _Host()
+            host.load_entry_points()
+            _host = host
+        return _host
+
+
 def get_plugin_manager() -> pluggy.PluginManager:
     """The process-wide plugin manager, with every plugin of the `multiwrite` entry-point group loaded.
 
-    Each entry point is loaded and registered with pluggy on its own, so that one plugin that fails to
-    import is recorded (its exception becomes its reason in `available_backends` and in dispatch errors)
-    instead of stopping the others or the host program. The built-in plugins load first and keep their
-    entry-point names as plugin names; another entry point with a name already in use is registered as
-    `"name (target)"` (its target: `module` or `module:attr`) rather than skipped. Plugins registered
-    later with `register()` are seen by the next `select_backend` call.
+    Entry points are loaded in a fixed order (the built-ins first, then by distribution name, entry-point
+    name and target), each on its own, so that one plugin that fails is recorded instead of stopping
+    the others or the host program: any exception but `KeyboardInterrupt` (`SystemExit` included) at
+    import or at registration becomes its reason in `available_backends` and in dispatch errors, with
+    its traceback kept for `multiwrite info -v`. A plugin that registers no hook implementation (a
+    forgotten `@hookimpl`) is listed with that reason. A second entry point with a name already in use
+    is registered as `"name (distribution)"`. Plugins registered later with `register()` are seen by
+    the next `select_backend` call.
     """
-    global _plugin_manager
+    return _get_host().pm
+
+
+def reload_plugins() -> None:
+    """Forget every loaded plugin; the next call loads the entry points again (after an install)."""
+    global _host
     with _lock:
-        if _plugin_manager is None:
-            pm = pluggy.PluginManager("multiwrite")
-            pm.add_hookspecs(hookspecs)
-            eps = sorted(entry_points(group="multiwrite"), key=lambda ep: not _is_builtin_module(ep.module))
-            for ep in eps:
-                name = ep.name
-                if pm.has_plugin(name) or name in _load_errors:
-                    name = f"{ep.name} ({ep.value})"
-                try:
-                    plugin = ep.load()
-                    if not pm.is_registered(plugin):  # two entry points may name one module
-                        pm.register(plugin, name=name)
-                except Exception as exc:  # a broken plugin must never crash the host program
-                    _load_errors[name] = f"plugin {ep.value!r} failed to load: {type(exc).__name__}: {exc}"
-            _plugin_manager = pm
-        return _plugin_manager
+        _host = None
 
 
 def _is_builtin_module(module: str) -> bool:
@@ -84,39 +204,95 @@ def _qualname(backend: Backend) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _registered() -> tuple[list[Backend], dict[str, str]]:
-    """All backends the plugins provide (each instance once, in registration order), and
-    {name: reason} for plugins that failed."""
-    pm = get_plugin_manager()
-    backends: list[Backend] = []
-    seen: set[int] = set()
-    failures = dict(_load_errors)
-    for impl in pm.hook.multiwrite_backends.get_hookimpls():
+def _safe_repr(obj: object) -> str:
+    try:
+        text = repr(obj)
+    except Exception:
+        text = f"<{type(obj).__name__} with a failing __repr__>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _registered() -> tuple[list[_Entry], dict[str, _Failure]]:
+    """Every valid backend the plugins provide (each instance once, in registration order), and
+    {plugin name: failure} for plugins that failed or returned something that is not a list of backends."""
+    host = _get_host()
+    entries: list[_Entry] = []
+    seen: dict[int, str] = {}
+    failures = {n: _Failure(list(f.reasons), f.distribution, f.version, f.traceback) for n, f in host.failures.items()}
+    for impl in host.pm.hook.multiwrite_backends.get_hookimpls():
+        plugin = impl.plugin_name
+        dist, version = host.dists.get(plugin, (None, None))
+        reasons: list[str] = []
         try:
             provided: Any = impl.function()
-        except Exception as exc:
-            failures[impl.plugin_name] = f"multiwrite_backends() raised {type(exc).__name__}: {exc}"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            failures[plugin] = _Failure(
+                [f"multiwrite_backends() raised {type(exc).__name__}: {exc}"], dist, version, traceback.format_exc()
+            )
             continue
-        for backend in provided or ():
-            if not isinstance(backend, Backend) or not backend.NAME:
-                failures[impl.plugin_name] = f"multiwrite_backends() returned {backend!r}, not a named Backend"
-                continue
-            if id(backend) not in seen:
-                seen.add(id(backend))
-                backends.append(backend)
-    return backends, failures
+        if isinstance(provided, Backend):
+            reasons.append(
+                f"multiwrite_backends() returned a bare backend {_safe_repr(provided)}, not a list: "
+                f"return [backend]"
+            )
+            provided = ()
+        elif not isinstance(provided, (list, tuple)):
+            reasons.append(f"multiwrite_backends() returned {_safe_repr(provided)}, not a list of Backend instances")
+            provided = ()
+        for item in provided:
+            if not isinstance(item, Backend):
+                what = "a class, not an instance" if isinstance(item, type) else f"a {type(item).__name__}"
+                reasons.append(f"multiwrite_backends() returned {_safe_repr(item)} ({what}), not a Backend instance")
+            elif not isinstance(item.NAME, str) or not item.NAME:
+                reasons.append(f"multiwrite_backends() returned {_qualname(item)} with no NAME")
+            elif id(item) in seen:
+                owner = seen[id(item)]
+                where = "twice" if owner == plugin else f"already provided by plugin {owner!r}"
+                reasons.append(f"multiwrite_backends() returned backend {item.NAME!r} {where}")
+            else:
+                seen[id(item)] = plugin
+                entries.append(_Entry(item, plugin, dist, version))
+        if reasons:
+            failures[plugin] = _Failure(reasons, dist, version)
+    return entries, failures
 
 
-def _name_owners(backends: list[Backend]) -> dict[str, Backend]:
-    """{name: the backend that owns it}: a built-in backend (class defined under `multiwrite.backends`)
-    keeps its name; otherwise the first backend seen with a name owns it."""
-    owners: dict[str, Backend] = {}
-    for b in backends:
-        if _is_builtin_module(type(b).__module__):
-            owners.setdefault(b.NAME, b)
-    for b in backends:
-        owners.setdefault(b.NAME, b)
-    return owners
+def _resolve_names(entries: list[_Entry]) -> tuple[dict[str, _Entry], dict[str, list[_Entry]]]:
+    """({name: owning entry}, {name: every entry of an ambiguous third-party name}).
+
+    A built-in backend keeps its name; among third-party backends of one name the owner is the first by
+    (-PRIORITY, distribution, module.Class), so the outcome never depends on installation order. Every
+    collision warns once per process (`BackendNameCollisionWarning`), naming the distributions.
+    """
+    by_name: dict[str, list[_Entry]] = {}
+    for e in entries:
+        by_name.setdefault(e.backend.NAME, []).append(e)
+    owners: dict[str, _Entry] = {}
+    ambiguous: dict[str, list[_Entry]] = {}
+    host = _get_host()
+    for name, group in by_name.items():
+        group = sorted(
+            group, key=lambda e: (not e.builtin, -int(e.backend.PRIORITY), e.distribution or "", _qualname(e.backend))
+        )
+        owners[name] = group[0]
+        if len(group) == 1:
+            continue
+        if not group[0].builtin:
+            ambiguous[name] = group
+        key = (name, *(e.describe() for e in group))
+        if key not in host.warned:
+            host.warned.add(key)
+            rest = " and ".join(e.describe() for e in group[1:])
+            warnings.warn(
+                f"multiwrite: backend name {name!r} is provided by {group[0].describe()} and by {rest}; "
+                f"{name!r} means the one from {group[0].describe()}"
+                + ("" if group[0].builtin else ", and forcing it by name is refused as ambiguous"),
+                BackendNameCollisionWarning,
+                stacklevel=3,
+            )
+    return owners, ambiguous
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -126,37 +302,53 @@ def _device(device: torch.device | str | None) -> torch.device:
     return device
 
 
+def _statuses(
+    device: torch.device, dtypes: tuple[torch.dtype, ...]
+) -> tuple[list[BackendStatus], dict[str, list[_Entry]]]:
+    entries, failures = _registered()
+    owners, ambiguous = _resolve_names(entries)
+    out = []
+    for e in entries:
+        b = e.backend
+        owner = owners[b.NAME]
+        if owner is not e:
+            taken_by = _qualname(owner.backend)
+            reason = f"backend name {b.NAME!r} is already taken by {taken_by}"
+            if owner.distribution and owner.distribution != e.distribution:
+                reason += f" (distribution {owner.distribution})"
+            out.append(BackendStatus(b.NAME, b, int(b.PRIORITY), [reason], taken_by, e.distribution, e.version))
+            continue
+        try:
+            reasons = list(b.not_supported_reasons(device, dtypes))
+            prio = int(b.priority(device))
+            tb = None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            reasons, prio = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"], _FAILED_PRIORITY
+            tb = traceback.format_exc()
+        out.append(BackendStatus(b.NAME, b, prio, reasons, None, e.distribution, e.version, tb))
+    for name, f in failures.items():
+        out.append(BackendStatus(name, None, _FAILED_PRIORITY, f.reasons, None, f.distribution, f.version, f.traceback))
+    out.sort(key=lambda s: (not s.available, -s.priority, s.name, s.distribution or ""))
+    return out, ambiguous
+
+
 def available_backends(
     device: torch.device | str | None = None, dtypes: Iterable[torch.dtype] = ()
 ) -> list[BackendStatus]:
     """Every registered backend with the reasons it cannot run on `device` (empty: it can).
 
-    Sorted best first: available before unavailable, then by priority. Plugins that failed to load are
-    listed with their exception as the reason. Names are unique among the backends that can be
-    selected: a backend whose name another already owns (see `_name_owners`) is listed as unavailable,
-    with `taken_by` set and the reason "backend name 'X' is already taken by module.Class".
+    Sorted best first: available before unavailable, then by priority (higher first), then by name,
+    then by distribution name, so the order never depends on installation order. Plugins that failed
+    to load or returned something other than a list of `Backend` instances are listed under the
+    plugin's name with the reason. Names are unique among the backends that can be selected: a
+    built-in keeps its name; among third-party backends of one name the highest `PRIORITY` keeps it
+    (then distribution name, then `module.Class`); any other is listed as unavailable, with `taken_by`
+    set and the reason "backend name 'X' is already taken by module.Class". A collision warns once
+    (`BackendNameCollisionWarning`) naming both distributions.
     """
-    device = _device(device)
-    dtypes = tuple(dtypes)
-    backends, failures = _registered()
-    owners = _name_owners(backends)
-    out = []
-    for b in backends:
-        owner = owners[b.NAME]
-        if owner is not b:
-            taken_by = _qualname(owner)
-            reason = f"backend name {b.NAME!r} is already taken by {taken_by}"
-            out.append(BackendStatus(b.NAME, b, b.PRIORITY, [reason], taken_by))
-            continue
-        try:
-            reasons = b.not_supported_reasons(device, dtypes)
-            prio = b.priority(device)
-        except Exception as exc:
-            reasons, prio = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"], b.PRIORITY
-        out.append(BackendStatus(b.NAME, b, prio, list(reasons)))
-    out.extend(BackendStatus(name, None, -(10**9), [reason]) for name, reason in failures.items())
-    out.sort(key=lambda s: (not s.available, -s.priority, s.name))
-    return out
+    return _statuses(_device(device), tuple(dtypes))[0]
 
 
 def _listing(statuses: list[BackendStatus]) -> str:
@@ -175,24 +367,31 @@ def select_backend(
         name: force this backend; if None, `$MULTIWRITE_BACKEND` forces one when set and non-empty.
         dtypes: the table dtypes it must support.
 
-    With nothing forced, the highest-priority backend with no reasons wins. A name always means the
-    backend that owns it (see `available_backends`), never another backend registered under it.
+    With nothing forced, the first backend of `available_backends` that can run wins (highest priority,
+    then name, then distribution). A name always means the backend that owns it (see
+    `available_backends`), never another backend registered under it.
 
     Raises:
-        BackendUnavailableError: an unknown name (the message lists the registered names); a forced
-            backend that cannot run (with its reasons); no backend that can run (every backend with
-            its reasons).
+        BackendUnavailableError: an unknown name (the message lists the registered names); a name two
+            third-party distributions both provide (the message lists them); a forced backend that
+            cannot run (with its reasons); no backend that can run (every backend with its reasons).
     """
     device = _device(device)
     dtypes = tuple(dtypes)
     forced = name or os.environ.get(BACKEND_ENV) or None
-    statuses = available_backends(device, dtypes)
+    statuses, ambiguous = _statuses(device, dtypes)
     what = f"device={device}" + (f", dtypes={[str(d).removeprefix('torch.') for d in dtypes]}" if dtypes else "")
     if forced:
+        source = "backend=" if name else f"${BACKEND_ENV}="
+        if forced in ambiguous:
+            listed = "; ".join(e.describe() for e in ambiguous[forced])
+            raise BackendUnavailableError(
+                f"backend {source}{forced!r} is ambiguous: {len(ambiguous[forced])} installed distributions "
+                f"provide it: {listed}. Uninstall all but one, or pass the backend instance itself"
+            )
         match = [s for s in statuses if s.name == forced and s.taken_by is None]
         if not match:
             names = ", ".join(sorted({s.name for s in statuses})) or "none"
-            source = "backend=" if name else f"${BACKEND_ENV}="
             raise BackendUnavailableError(f"unknown backend {source}{forced!r}; registered backends: {names}")
         status = match[0]
         if not status.available:

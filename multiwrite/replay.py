@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,7 +12,10 @@ import torch
 from multiwrite.block_tables import BlockTables
 from multiwrite.environment import synchronize
 from multiwrite.reference import ReferenceBlockTables
-from multiwrite.workload import Trace, max_blocks_per_group, replay_steps
+from multiwrite.workload import StagedCall, Trace, max_blocks_per_group, replay_steps
+
+#: Added to a block id to make the decoy that an overlapping write replaces (fits int32 after expansion).
+DECOY_OFFSET = 500_000
 
 
 @dataclass
@@ -24,6 +27,7 @@ class ReplayResult:
             `apply_staged_writes`, and `apply_staged_writes` alone.
         mismatches: cells (tables, host and device `num_blocks`) that differed from the reference,
             summed over every check.
+        overlapping_writes: decoy calls that a later call of the same step overwrote (`overlap_rate`).
     """
 
     backend: str
@@ -35,6 +39,7 @@ class ReplayResult:
     mismatches: int = 0
     step_us: list[float] = field(default_factory=list)
     apply_us: list[float] = field(default_factory=list)
+    overlapping_writes: int = 0
 
 
 def count_mismatches(tables: BlockTables, reference: ReferenceBlockTables) -> int:
@@ -57,12 +62,14 @@ def run_replay(
     backend: str | None = None,
     check_every: int = 50,
     on_step: Callable[[], None] | None = None,
+    overlap_rate: float = 0.0,
 ) -> ReplayResult:
     """Replay `num_steps` scheduler steps of `trace` through `BlockTables` on `device`.
 
     Every `check_every` steps (0: only at the end) and after the last step the tables are compared with
     `ReferenceBlockTables` fed the same calls. Host times are taken with `time.perf_counter`; the device
-    is synchronized after each step, outside the timed region.
+    is synchronized after each step, outside the timed region. With `overlap_rate > 0` the steps go
+    through `with_overlaps` (overlapping writes within a step, which only "later wins" gets right).
 
     Raises:
         BackendUnavailableError: the backend cannot run on `device`.
@@ -73,7 +80,10 @@ def run_replay(
     result = ReplayResult(tables.backend.NAME, tables.device)
     ks = tables.kernel_blocks_per_block
     clock = time.perf_counter
-    for step, calls in enumerate(replay_steps(trace, block_sizes, concurrency, num_steps), start=1):
+    steps: Iterable[list[StagedCall]] = replay_steps(trace, block_sizes, concurrency, num_steps)
+    if overlap_rate > 0:
+        steps = with_overlaps(steps, overlap_rate, result)
+    for step, calls in enumerate(steps, start=1):
         t0 = clock()
         for req, ids, overwrite in calls:
             tables.append_block_ids(req, ids, overwrite)
@@ -98,3 +108,49 @@ def run_replay(
         result.mismatches += count_mismatches(tables, reference)
         result.checks += 1
     return result
+
+
+def with_overlaps(
+    steps: Iterable[list[StagedCall]], rate: float, result: ReplayResult | None = None, seed: int = 0
+) -> Iterator[list[StagedCall]]:
+    """The same steps with overlapping writes: a request preempted and re-admitted within one step.
+
+    Every admission (`overwrite=True`) and a `rate` share of the appends (fixed `seed`) become two
+    calls: a decoy overwrite of the request's whole row (its ids + `DECOY_OFFSET`), then the overwrite
+    with its real ids from column 0. The tables must end exactly as without the decoys, which holds only
+    where the later write wins (in the ids and in `num_blocks`). Counts decoys in
+    `result.overlapping_writes`.
+    """
+    rng = np.random.default_rng(seed)
+    held: dict[int, list[list[int]]] = {}
+    for calls in steps:
+        out: list[StagedCall] = []
+        for req, ids, overwrite in calls:
+            row = [list(x) for x in ids] if overwrite else [h + list(x) for h, x in zip(held[req], ids)]
+            held[req] = row
+            if overwrite or rng.random() < rate:
+                out.append((req, [[b + DECOY_OFFSET for b in g] for g in row], True))
+                out.append((req, row, True))
+                if result is not None:
+                    result.overlapping_writes += 1
+            else:
+                out.append((req, ids, overwrite))
+        yield out
+
+
+def run_overlap_replay(
+    trace: Trace,
+    block_sizes: Sequence[int],
+    kernel_block_sizes: Sequence[int] | None,
+    concurrency: int,
+    num_steps: int,
+    device: torch.device,
+    backend: str | None = None,
+    check_every: int = 50,
+    overlap_rate: float = 0.25,
+) -> ReplayResult:
+    """`run_replay` with overlapping writes in every step that admits a request (see `with_overlaps`)."""
+    return run_replay(
+        trace, block_sizes, kernel_block_sizes, concurrency, num_steps, device, backend, check_every,
+        overlap_rate=overlap_rate,
+    )  # fmt: skip

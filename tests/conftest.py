@@ -1,8 +1,14 @@
-"""The shared backend matrix: every test that takes `backend` runs once per registered backend.
+"""The shared backend matrix: every test that takes `backend` runs once per built-in backend.
 
 Without a GPU, Triton backends run their kernels through Triton's interpreter on CPU tensors
 (`TRITON_INTERPRET=1`, set here before anything imports Triton). A backend that cannot run is skipped
 with its reasons (`pytest -rs` prints them), unless `MULTIWRITE_BACKEND` forces it: then it fails.
+
+The conformance kit (`multiwrite.testing`) is this matrix's suite: `test_matrix.py` and
+`test_properties.py` import it, and the `multiwrite_*` fixtures below point it at each `backend` case
+(and both `staging` paths). Third-party backends installed in the environment are ignored (they would
+otherwise win auto-selection and change what these tests check) unless `MULTIWRITE_BACKEND` names one
+or `MULTIWRITE_TEST_ALL_PLUGINS=1`.
 """
 
 from __future__ import annotations
@@ -16,10 +22,26 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import multiwrite.dispatch as dispatch  # noqa: E402
 from multiwrite import available_backends  # noqa: E402
 from multiwrite.dispatch import BACKEND_ENV  # noqa: E402
 
 FORCED = os.environ.get(BACKEND_ENV) or None
+BUILTIN = ("torch-cpu", "compiled-cpu", "triton-cuda", "triton-rocm", "torch-generic")
+
+
+def _only_builtin_plugins() -> None:
+    """Unregister every plugin not under `multiwrite.backends`, and forget third-party load failures."""
+    host = dispatch._get_host()
+    for _, plugin in list(host.pm.list_name_plugin()):
+        module = getattr(plugin, "__name__", None) or type(plugin).__module__
+        if not dispatch._is_builtin_module(module):
+            host.pm.unregister(plugin)
+    host.failures = {n: f for n, f in host.failures.items() if f.distribution == "multiwrite"}
+
+
+if os.environ.get("MULTIWRITE_TEST_ALL_PLUGINS") != "1" and (FORCED is None or FORCED in BUILTIN):
+    _only_builtin_plugins()
 
 try:  # the backend auto-selection picks for CPU tables: the compiled one where it was built
     import multiwrite._cstaging  # noqa: F401
@@ -102,3 +124,25 @@ def staging(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     else:
         monkeypatch.setattr(block_tables, "_stage_block_ids", None)
     return request.param
+
+
+# -- the conformance kit's fixtures, pointed at the matrix -------------------------------------------
+@pytest.fixture
+def multiwrite_backend_name(backend: BackendCase) -> str:
+    return backend.name
+
+
+@pytest.fixture
+def multiwrite_device(backend: BackendCase) -> torch.device:
+    return backend.device
+
+
+@pytest.fixture
+def multiwrite_staging(staging: str) -> str:
+    return staging
+
+
+@pytest.fixture
+def multiwrite_examples(backend: BackendCase) -> int:
+    """Triton's interpreter runs a launch in tens of milliseconds: fewer examples there."""
+    return 120 if backend.device.type != "cpu" or backend.name in ("torch-cpu", "compiled-cpu") else 25

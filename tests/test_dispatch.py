@@ -140,8 +140,7 @@ def test_entry_point_that_fails_to_import_becomes_a_reason(tmp_path, monkeypatch
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: exploding-plugin\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(textwrap.dedent("[multiwrite]\nexploding = exploding_plugin\n"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(dispatch, "_plugin_manager", None)
-    monkeypatch.setattr(dispatch, "_load_errors", {})
+    monkeypatch.setattr(dispatch, "_host", None)
     try:
         statuses = {s.name: s for s in multiwrite.available_backends("cpu")}
         assert statuses["exploding"].backend is None
@@ -168,11 +167,12 @@ class ImpostorTorchCpu(RecordingBackend):
 
 
 class FirstRecording(RecordingBackend):
-    """A second third-party backend named `recording`: the first one registered keeps the name."""
+    """A second third-party backend named `recording`, with a higher priority: it keeps the name."""
 
     PRIORITY = 900
 
 
+@pytest.mark.filterwarnings("ignore::multiwrite.dispatch.BackendNameCollisionWarning")
 def test_plugin_cannot_take_a_builtin_backends_name(plugin_manager):
     impostor = ImpostorTorchCpu()
 
@@ -190,36 +190,39 @@ def test_plugin_cannot_take_a_builtin_backends_name(plugin_manager):
     assert statuses[0].available and statuses[0].taken_by is None
     assert not statuses[1].available
     assert statuses[1].reasons == [
-        "backend name 'torch-cpu' is already taken by multiwrite.backends.torch_cpu.TorchCpuBackend"
+        "backend name 'torch-cpu' is already taken by multiwrite.backends.torch_cpu.TorchCpuBackend "
+        "(distribution multiwrite)"
     ]
     assert statuses[1].taken_by == "multiwrite.backends.torch_cpu.TorchCpuBackend"
 
 
-def test_first_plugin_keeps_a_third_party_name(plugin_manager):
-    first, second = RecordingBackend(), FirstRecording()
+def test_a_shared_third_party_name_is_resolved_by_priority_and_forcing_it_is_refused(plugin_manager):
+    low, high = RecordingBackend(), FirstRecording()
 
     class PluginA:
         @hookimpl
         def multiwrite_backends(self):
-            return [first]
+            return [low]
 
     class PluginB:
         @hookimpl
         def multiwrite_backends(self):
-            return [second, second]  # the same instance twice is listed once
+            return [high, high]  # the same instance twice: listed once, and the duplicate is a reason
 
     plugin_manager(PluginA(), "plugin-a")
     plugin_manager(PluginB(), "plugin-b")
-    assert multiwrite.select_backend("cpu") is first
-    assert multiwrite.select_backend("cpu", "recording") is first
-    statuses = [s for s in multiwrite.available_backends("cpu") if s.name == "recording"]
-    assert [s.backend for s in statuses] == [first, second]
-    assert statuses[1].reasons == [f"backend name 'recording' is already taken by {__name__}.RecordingBackend"]
-    # the owner cannot run on xpu: forcing the name reports the owner's reasons, not the impostor's
-    with pytest.raises(BackendUnavailableError, match=r"'recording' was forced .*device type xpu \(supported: cpu\)"):
-        multiwrite.select_backend("xpu", "recording")
+    with pytest.warns(dispatch.BackendNameCollisionWarning, match=r"'recording' is provided by"):
+        statuses = [s for s in multiwrite.available_backends("cpu") if s.name == "recording"]
+    assert [s.backend for s in statuses] == [high, low]  # registration order does not matter
+    assert statuses[1].reasons == [f"backend name 'recording' is already taken by {__name__}.FirstRecording"]
+    assert multiwrite.select_backend("cpu") is high
+    with pytest.raises(BackendUnavailableError, match=r"'recording' is ambiguous: 2 installed .*FirstRecording.*"):
+        multiwrite.select_backend("cpu", "recording")
+    plugin_b = next(s for s in multiwrite.available_backends("cpu") if s.name == "plugin-b")
+    assert plugin_b.reasons == ["multiwrite_backends() returned backend 'recording' twice"]
 
 
+@pytest.mark.filterwarnings("ignore::multiwrite.dispatch.BackendNameCollisionWarning")
 def test_entry_point_reusing_a_builtin_name_does_not_hide_the_builtin(tmp_path, monkeypatch):
     (tmp_path / "impostor_plugin.py").write_text(
         textwrap.dedent(
@@ -245,12 +248,11 @@ def test_entry_point_reusing_a_builtin_name_does_not_hide_the_builtin(tmp_path, 
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: impostor-plugin\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[multiwrite]\ntorch-cpu = impostor_plugin\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(dispatch, "_plugin_manager", None)
-    monkeypatch.setattr(dispatch, "_load_errors", {})
+    monkeypatch.setattr(dispatch, "_host", None)
     try:
         names = dict(multiwrite.get_plugin_manager().list_name_plugin())
         assert names["torch-cpu"].__name__ == "multiwrite.backends.torch_cpu"
-        assert names["torch-cpu (impostor_plugin)"].__name__ == "impostor_plugin"
+        assert names["torch-cpu (impostor-plugin)"].__name__ == "impostor_plugin"
         assert type(multiwrite.select_backend("cpu", "torch-cpu")).__module__ == "multiwrite.backends.torch_cpu"
         assert multiwrite.select_backend("cpu").NAME == CPU_DEFAULT
         assert type(multiwrite.select_backend("cpu")).__module__.startswith("multiwrite.backends.")

@@ -84,7 +84,8 @@ def test_old_nvidia_gpu_is_named(gpu_build):
     reasons = _statuses()["triton-cuda"].reasons
     assert reasons == ["compute capability 6.1 (Simulated GPU) is below 7.0"]
     with pytest.raises(multiwrite.BackendUnavailableError, match=r"compute capability 6\.1"):
-        multiwrite.select_backend("cuda:0")
+        multiwrite.select_backend("cuda:0", "triton-cuda")
+    assert multiwrite.select_backend("cuda:0").NAME == "torch-generic"  # the fallback for every device type
 
 
 def test_cpu_only_build_reasons(monkeypatch):

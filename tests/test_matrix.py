@@ -1,46 +1,24 @@
-"""Scenario tests run against every available backend (the `backend` fixture of conftest.py)."""
+"""Scenario tests run against every available built-in backend (the `backend` fixture of conftest.py).
+
+The conformance kit's suite (`multiwrite.testing.suite`, the same tests a plugin author runs) is
+imported here, so it runs per backend and staging path; below it, scenarios about how multiwrite itself
+drives a backend.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from multiwrite import BlockTables, FusedStagedWriter, StagedWriteTensor
-from multiwrite.reference import ReferenceBlockTables, apply_writes_reference
+from multiwrite.reference import ReferenceBlockTables
+from multiwrite.testing.suite import *  # noqa: F403  (the kit's tests, collected here)
 
 DTYPES = [torch.int32, torch.int64, torch.float32]
 
 
 def host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
-
-
-def seed_tables(backend) -> BlockTables:
-    return BlockTables([16, 32, 8], 4, [8, 8, 8], backend.device, kernel_block_sizes=[16, 16, 8], backend=backend.name)
-
-
-def test_seed_scenario_three_groups(staging, backend):
-    bt = seed_tables(backend)
-    assert bt.backend.NAME == backend.name
-    assert [t.tensor.shape[1] for t in bt.block_tables] == [8, 16, 8]
-    bt.append_block_ids(0, ([1, 2], [10, 11], []), overwrite=True)
-    bt.append_block_ids(1, ([3], [12], [5, 6]), overwrite=True)
-    bt.apply_staged_writes()
-    assert host(bt[1].tensor)[0, :4].tolist() == [20, 21, 22, 23]
-    assert host(bt[1].tensor)[0, 4:].tolist() == [0] * 12
-    assert host(bt[1].tensor)[1, :2].tolist() == [24, 25]
-    assert host(bt[0].tensor)[0, :3].tolist() == [1, 2, 0]
-    assert host(bt[2].tensor)[1, :3].tolist() == [5, 6, 0]
-    assert bt.num_blocks[:, :2].tolist() == [[2, 1], [4, 2], [0, 2]]
-    assert host(bt.num_blocks_device)[:, :2].tolist() == [[2, 1], [4, 2], [0, 2]]
-    assert all(t.num_staged_writes == 0 for t in bt.block_tables)
-    bt.append_block_ids(0, ([7], [13], [8]), overwrite=False)
-    bt.apply_staged_writes()
-    assert host(bt[1].tensor)[0, :8].tolist() == [20, 21, 22, 23, 26, 27, 0, 0]
-    assert host(bt[0].tensor)[0, :4].tolist() == [1, 2, 7, 0]
-    assert host(bt[2].tensor)[0, :2].tolist() == [8, 0]
-    assert host(bt.num_blocks_device)[:, 0].tolist() == [3, 6, 1]
 
 
 def test_single_group(staging, backend):
@@ -79,52 +57,6 @@ def test_multi_group_apply_reaches_backend_as_one_call(staging, backend, monkeyp
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_overlapping_empty_and_full_width_writes(backend, dtype):
-    a = StagedWriteTensor((3, 6), dtype, backend.device, name="a")
-    b = StagedWriteTensor((2, 4), dtype, backend.device, name="b")
-    writes_a = [
-        (0, 0, [1, 2, 3, 4, 5, 6]),  # full width
-        (0, 2, [70, 80]),  # overlaps: later wins
-        (1, 5, []),  # empty: no-op
-        (2, 1, [9, 9, 9]),
-        (2, 2, [-4]),  # overlaps the previous one in the middle
-        (0, 5, [66]),
-        (2, 0, [11, 12, 13, 14, 15, 16]),  # full width again, last of row 2
-        (2, 5, [99]),
-    ]
-    writes_b = [(1, 0, [3, 4, 5, 6]), (0, 3, [8]), (1, 1, [])]
-    for w in writes_a:
-        a.stage_write(*w)
-    for w in writes_b:
-        b.stage_write(*w)
-    assert a.num_staged_writes == len(writes_a) and b.num_staged_writes == len(writes_b)
-    FusedStagedWriter(backend.device, backend.name).apply([a, b])
-    np_dtype = host(a.tensor).dtype
-    expected_a = apply_writes_reference(np.zeros((3, 6), np_dtype), writes_a)
-    expected_b = apply_writes_reference(np.zeros((2, 4), np_dtype), writes_b)
-    np.testing.assert_array_equal(host(a.tensor), expected_a)
-    np.testing.assert_array_equal(host(b.tensor), expected_b)
-    assert host(a.tensor)[0].tolist() == [1, 2, 70, 80, 5, 66]
-    assert a.num_staged_writes == 0 and b.num_staged_writes == 0
-
-
-def test_mixed_dtypes_one_backend_call(backend, monkeypatch):
-    tables = [StagedWriteTensor((2, 5), d, backend.device, name=str(d)) for d in DTYPES]
-    writer = FusedStagedWriter(backend.device, backend.name)
-    calls = []
-    original = writer.backend.apply
-    monkeypatch.setattr(writer.backend, "apply", lambda batches: (calls.append(len(batches)), original(batches))[1])
-    tables[0].stage_write(1, 1, [2**31 - 1, -(2**31)])
-    tables[1].stage_write(0, 0, [2**62, -(2**62), 7])
-    tables[2].stage_write(1, 3, [1.5, -2.25])
-    writer.apply(tables)
-    assert calls == [3]
-    assert host(tables[0].tensor)[1].tolist() == [0, 2**31 - 1, -(2**31), 0, 0]
-    assert host(tables[1].tensor)[0].tolist() == [2**62, -(2**62), 7, 0, 0]
-    assert host(tables[2].tensor)[1].tolist() == [0.0, 0.0, 0.0, 1.5, -2.25]
-
-
 def test_value_kinds_and_one_dimensional_tensor(backend):
     t = StagedWriteTensor((3, 4), torch.int64, backend.device)
     t.stage_write(0, 0, np.array([1, 2], dtype=np.int16))
@@ -139,40 +71,6 @@ def test_value_kinds_and_one_dimensional_tensor(backend):
     assert host(t.tensor).tolist() == [[1, 2, 0, 0], [0, 3, 4, 5], [8, 0, 6, 7]]
     assert vec.tensor.shape == (5,)
     assert host(vec.tensor).tolist() == [-1, 0, 0, 43, 0]
-
-
-def test_kernel_block_expansion_in_plain_tensor(backend):
-    t = StagedWriteTensor((2, 8), torch.int32, backend.device, kernel_blocks_per_block=4)
-    t.stage_write(1, 2, [5])
-    t.stage_write(0, 0, [0, 1])
-    FusedStagedWriter(backend.device, backend.name).apply([t])
-    assert host(t.tensor).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 0, 20, 21, 22, 23, 0, 0]]
-
-
-def test_replaced_table_is_written_not_the_old_one(backend):
-    t = StagedWriteTensor((2, 3), torch.int32, backend.device)
-    writer = FusedStagedWriter(backend.device, backend.name)
-    t.stage_write(0, 0, [1, 2, 3])
-    writer.apply([t])
-    old = t.tensor
-    t.tensor = torch.zeros(4, 3, dtype=torch.int32, device=backend.device)
-    t.stage_write(3, 1, [7, 8])
-    t.stage_write(0, 2, [9])
-    writer.apply([t])
-    assert host(old).tolist() == [[1, 2, 3], [0, 0, 0]]
-    assert host(t.tensor).tolist() == [[0, 0, 9], [0, 0, 0], [0, 0, 0], [0, 7, 8]]
-
-
-def test_partial_apply_of_shared_staging_keeps_other_groups(backend):
-    bt = seed_tables(backend)
-    bt.append_block_ids(0, ([1], [2], [3]), overwrite=True)
-    FusedStagedWriter(backend.device, backend.name).apply([bt[1]])
-    assert host(bt[1].tensor)[0, :2].tolist() == [4, 5]
-    assert host(bt[0].tensor)[0, 0] == 0
-    assert bt[0].num_staged_writes == 1 and bt[1].num_staged_writes == 0
-    bt.apply_staged_writes()
-    assert host(bt[0].tensor)[0, 0] == 1 and host(bt[2].tensor)[0, 0] == 3
-    assert host(bt.num_blocks_device)[:, 0].tolist() == [1, 2, 1]
 
 
 def test_replay_of_a_trace_matches_reference(staging, backend):

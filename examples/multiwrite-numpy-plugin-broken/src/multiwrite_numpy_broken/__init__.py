@@ -1,0 +1,1 @@
+"""A deliberately broken copy of the example plugin: the kit must fail it."""

@@ -1,0 +1,1 @@
+"""An example multiwrite backend plugin: `numpy-cpu`."""
