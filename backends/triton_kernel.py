@@ -227,6 +227,8 @@ def overlap_rounds(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _ALIGN = 64
+#: PRELOADED_VALUES as a plain int: comparing with the constexpr would make a constexpr (slow, and not a bool key).
+_PRELOADED = int(PRELOADED_VALUES.value)
 #: Triton's interpreter keeps the current program ids in module-level state: one interpreted launch at a time.
 _INTERPRETER_LOCK = threading.Lock()
 _PTR, _SIZE, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
@@ -632,7 +634,7 @@ class TritonWriter:
                 except BaseException:
                     lock.release()
                     raise
-            decode = v <= PRELOADED_VALUES  # a decode step: many short writes, values preloaded
+            decode = v <= _PRELOADED  # a decode step: many short writes, values preloaded
             if rounds > 1:
                 grid0 = grid1 = 1
             elif decode:
