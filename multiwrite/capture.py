@@ -7,9 +7,11 @@ by the block-table stage issue), `refuse_capture` is called first thing by every
 (`FusedStagedWriter.apply`, so `BlockTables.apply_staged_writes` and every backend) and by
 `BlockTables.clear_staged_writes`: it raises `GraphCaptureError` before anything is recorded or changed.
 
-Cost on the hot path: for CPU tables one attribute test; for CUDA tables one call of torch's C function
-behind `torch.cuda.is_current_stream_capturing()` (cudaStreamIsCapturing on the current stream), plus a
-device switch only when the tables live on another device than the current one.
+Cost on the hot path: for CPU tables one dict lookup (about 0.1 us here; reading `device.type` costs
+0.6 us); for CUDA tables that, one call of torch's C function behind
+`torch.cuda.is_current_stream_capturing()` (cudaStreamIsCapturing on the current stream) and one of
+`torch._C._cuda_getDevice`, plus a device switch only when the tables live on another device than the
+current one. `scripts/issue8_costs.py` measures it.
 
 In a process forked after its parent initialized CUDA, CUDA cannot work (the driver state is not
 inherited); torch raises for its own calls, but a kernel launched through Triton's C launcher with the
@@ -31,6 +33,10 @@ from multiwrite.errors import ForkedCudaError, GraphCaptureError
 _is_capturing: Callable[[], bool] = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 _get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", lambda: 0)
 
+_HOST, _UNSEEN = object(), object()
+#: device -> its CUDA index (None: the current device), or _HOST for a device that is not CUDA (never captured)
+_CUDA_INDEX: dict[torch.device, object] = {}
+
 FORK_MESSAGE = (
     "this process was forked after its parent initialized CUDA, and CUDA cannot be used in such a child "
     "(torch: 'Cannot re-initialize CUDA in forked subprocess'); nothing was written. Start worker processes "
@@ -51,11 +57,15 @@ def refuse_capture(device: torch.device, what: str) -> None:
         GraphCaptureError: a capture is underway; nothing was recorded and no state has changed.
         ForkedCudaError: this process was forked after its parent initialized CUDA.
     """
-    if device.type != "cuda":
+    index = _CUDA_INDEX.get(device, _UNSEEN)  # a dict lookup: cheaper than reading `device.type` every call
+    if index is _HOST:
         return
+    if index is _UNSEEN:
+        index = _CUDA_INDEX[device] = device.index if device.type == "cuda" else _HOST
+        if index is _HOST:
+            return
     if _is_capturing():  # the current device's current stream (conservative when the tables live elsewhere)
         _raise(device, what)
-    index = device.index
     if index is not None and index != _get_device():
         with torch.cuda.device(index):
             if _is_capturing():
