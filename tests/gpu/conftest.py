@@ -1,6 +1,8 @@
 """GPU acceptance tests (issue 8, issue 11): every test under tests/gpu gets the `gpu` marker and is skipped,
 with its reason, where torch sees no GPU. On a GPU machine run `pytest tests/gpu` (or `tox -e cuda`,
-which runs the whole suite with triton-cuda forced). Shared workloads live in `gpu_helpers.py`.
+which runs the whole suite with triton-cuda forced). Shared workloads live in `gpu_helpers.py`. The
+directory is a package (`__init__.py`), so this conftest does not shadow `tests/conftest.py`, which other
+tests import as `conftest`.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from gpu_helpers import RandomBlockTables, RandomTensors, gpu_backend, warm_up
 
 from multiwrite.errors import GraphCaptureError
+
+from .gpu_helpers import RandomBlockTables, RandomTensors, gpu_backend, warm_up
 
 
 def _ring_wait_warning() -> type[Warning]:

@@ -8,9 +8,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from gpu_helpers import RandomBlockTables, RandomTensors, busy, gpu_backend, warm_up
 
 from multiwrite import BlockTables
+
+from .gpu_helpers import RandomBlockTables, RandomTensors, busy, gpu_backend, warm_up
 
 
 def test_tables_on_a_second_gpu_with_the_first_current(backend_name):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_helpers import RandomBlockTables, RandomTensors, gpu_backend, warm_up
+
+from .gpu_helpers import RandomBlockTables, RandomTensors, gpu_backend, warm_up
 
 BATCHES = 2_000
 SEED = 20240808

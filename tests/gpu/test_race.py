@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gpu_helpers import RandomBlockTables, RandomTensors, busy, gpu_backend, warm_up
+
+from .gpu_helpers import RandomBlockTables, RandomTensors, busy, gpu_backend, warm_up
 
 
 def test_ten_thousand_applies_racing_a_busy_stream(device, backend_name):

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_helpers import RandomBlockTables, gpu_backend, warm_up
 
 from multiwrite import FusedStagedWriter, StagedWriteError, StagedWriteTensor
+
+from .gpu_helpers import RandomBlockTables, gpu_backend, warm_up
 
 
 @pytest.fixture

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from gpu_helpers import gpu_backend
 
 from multiwrite.replay import run_replay
 from multiwrite.workload import CONFIGS, load_trace
+
+from .gpu_helpers import gpu_backend
 
 
 @pytest.mark.parametrize("concurrency", [40, 256])

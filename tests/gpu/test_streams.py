@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gpu_helpers import RandomBlockTables, busy, gpu_backend, warm_up
 
 from multiwrite import BlockTables, FusedStagedWriter, StagedWriteTensor
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.replay import count_mismatches
+
+from .gpu_helpers import RandomBlockTables, busy, gpu_backend, warm_up
 
 
 def test_apply_lands_on_the_current_non_default_stream(device, backend_name):

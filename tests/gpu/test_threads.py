@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from gpu_helpers import RandomBlockTables, RandomTensors, busy, gpu_backend, warm_up
+
+from .gpu_helpers import RandomBlockTables, RandomTensors, busy, gpu_backend, warm_up
 
 
 @pytest.mark.parametrize("num_threads, steps", [(2, 600), (8, 200)])
