@@ -15,7 +15,9 @@ Under the interpreter the same code runs on CPU tensors and plain host addresses
 from __future__ import annotations
 
 import os
+import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -225,6 +227,10 @@ def overlap_rounds(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _ALIGN = 64
+#: PRELOADED_VALUES as a plain int: comparing with the constexpr would make a constexpr (slow, and not a bool key).
+_PRELOADED = int(PRELOADED_VALUES.value)
+#: Triton's interpreter keeps the current program ids in module-level state: one interpreted launch at a time.
+_INTERPRETER_LOCK = threading.Lock()
 _PTR, _SIZE, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.stride
 
 
@@ -240,12 +246,18 @@ def _align(n: int) -> int:
 
 class _Slot:
     """One ring slot in (pinned) host memory: `[meta int32 [wcap, 5] | bounds int32 [wcap + 1] | values
-    [vcap] x 8 bytes]`, with typed numpy views for the copies and the addresses the kernel reads."""
+    [vcap] x 8 bytes]`, with typed numpy views for the copies and the addresses the kernel reads.
 
-    __slots__ = ("buf", "wcap", "vcap", "meta", "bounds", "views", "meta_addr", "bounds_addr", "values_addr")
+    `desc` holds the descriptor table of the last launch that read the slot: it stays alive (its device
+    memory unreused) until the slot is reused, i.e. until that launch has finished, whichever thread or
+    stream launched it and whenever the descriptor cache drops it.
+    """
+
+    __slots__ = ("buf", "wcap", "vcap", "meta", "bounds", "views", "meta_addr", "bounds_addr", "values_addr", "desc")
 
     def __init__(self, wcap: int, vcap: int, pin: bool):
         self.wcap, self.vcap = wcap, vcap
+        self.desc: _Descriptors | None = None
         b_off = _align(wcap * META_COLUMNS * 4)
         v_off = b_off + _align((wcap + 1) * 4)
         self.buf = torch.empty(v_off + vcap * 8, dtype=torch.uint8, pin_memory=pin)
@@ -273,17 +285,30 @@ def _value_units(count: int, itemsize: int) -> int:
     return -(-count * itemsize // 8)
 
 
+class RingWaitWarning(RuntimeWarning):
+    """An apply has waited longer than `TritonWriter.wait_warn_s` for a ring slot to be released."""
+
+
+class RingStallError(RuntimeError):
+    """A ring slot was never released although the device was synchronized: the kernel that read it
+    never completed its launch (captured into a CUDA graph, or never ran). The slot is not reused."""
+
+
 class _Ring:
     """`depth` slots of host memory (pinned on a GPU) that kernels read in place, each with its guard.
 
     A slot is handed out by `take` only once the kernel that last read it has finished: the kernel's last
     program stores the launch's token into the slot's pinned `done` word (`guard="kernel"`, no driver
     call), or a CUDA event recorded after the launch has completed (`guard="event"`). Words past `depth`
-    (`extra_words`) are for validation launches.
+    (`extra_words`) are for validation launches. `name` says whose ring it is, for messages.
+
+    Not locked: the writer's shared ring is used under `TritonWriter._lock`; a lent ring belongs to one
+    arena, which one thread at a time stages into.
     """
 
-    def __init__(self, owner: TritonWriter, depth: int, extra_words: int = 0):
+    def __init__(self, owner: TritonWriter, depth: int, extra_words: int = 0, name: str = "shared"):
         self.owner = owner
+        self.name = name
         self.depth = depth
         n = depth + extra_words
         self.done_t = torch.zeros(n, dtype=torch.int32, pin_memory=owner.is_gpu)
@@ -315,27 +340,71 @@ class _Ring:
             self.grow(i, w, units)
         return i
 
+    def _released(self, i: int) -> bool:
+        if self.owner._kernel_guard:
+            return self.done_mv[i] == self.tokens[i]
+        return self.events[i].query()
+
     def wait(self, i: int) -> None:
-        """Block until the kernel that last read slot `i` has finished (polling, then a device sync)."""
+        """Block until the kernel that last read slot `i` has finished: poll (sleeping up to 1 ms between
+        polls), warn with `RingWaitWarning` after `owner.wait_warn_s`, synchronize the device after
+        `owner.wait_timeout_s`.
+
+        Raises:
+            RingStallError: the slot's completion token is still missing after the device synchronized
+                (the slot is then never handed out: a captured kernel may still read it).
+        """
         owner = self.owner
-        owner.waits += 1
-        if not owner._kernel_guard:
-            self.events[i].synchronize()
-            return
-        done, token = self.done_mv, self.tokens[i]
-        if not owner.is_gpu:  # the interpreter finished the kernel before the launch returned
-            done[i] = token
-            return
-        deadline = time.perf_counter() + owner.wait_timeout_s
+        owner.waits += 1  # (a statistic: increments from concurrent threads may be lost)
+        t0 = time.perf_counter()
+        warn_at, deadline = t0 + owner.wait_warn_s, t0 + owner.wait_timeout_s
+        warned = False
         pause = 0.0
-        while done[i] != token:
-            if time.perf_counter() > deadline:
-                torch.cuda.synchronize(owner.device)
-                if done[i] != token:  # the kernel never ran (a failed launch): nothing reads the slot
-                    done[i] = token
-                break
+        while not self._released(i):
+            now = time.perf_counter()
+            if not warned and now >= warn_at:
+                warnings.warn(RingWaitWarning(self._waiting(i, now - t0)), stacklevel=2)
+                warned = True
+            if now >= deadline:
+                if owner._kernel_guard:
+                    if owner.is_gpu:
+                        torch.cuda.synchronize(owner.device)
+                    if self.done_mv[i] != self.tokens[i]:
+                        raise RingStallError(self._stalled(i, time.perf_counter() - t0))
+                else:
+                    self.events[i].synchronize()
+                return
             time.sleep(pause)
             pause = min(pause * 2 or 2e-6, 1e-3)
+
+    def _where(self, i: int) -> str:
+        return (
+            f"slot {i} of the {self.name} ring (depth {self.depth}) of the multiwrite Triton writer on "
+            f"{self.owner.device}"
+        )
+
+    def _waiting(self, i: int, waited: float) -> str:
+        guard = (
+            f"completion token {self.tokens[i]}, its word holds {int(self.done[i])}"
+            if self.owner._kernel_guard
+            else "its completion event has not completed"
+        )
+        return (
+            f"an apply has waited {waited:.1f} s for {self._where(i)} to be released by the kernel that read it "
+            f"({guard}). Likely causes: the stream that kernel was launched on is held up by long work queued "
+            "before it (a long kernel, torch.cuda._sleep, a blocked stream); more applies in flight than ring slots "
+            "(MULTIWRITE_TRITON_RING_DEPTH); or the kernel was captured into a CUDA graph and never ran. After "
+            f"{self.owner.wait_timeout_s:.0f} s the device is synchronized."
+        )
+
+    def _stalled(self, i: int, waited: float) -> str:
+        return (
+            f"{self._where(i)} was never released: after {waited:.1f} s and a device synchronization the kernel "
+            f"that read it has still not stored its completion token {self.tokens[i]} (the word holds "
+            f"{int(self.done[i])}). That kernel never ran as launched: most likely it was captured into a CUDA "
+            "graph (not supported; a replay would still read the slot), or the launch was lost. The slot is not "
+            "reused."
+        )
 
     def grow(self, i: int, w: int, units: int) -> _Slot:
         """Replace free slot `i` by a larger one (geometric growth; a pinned allocation, rare)."""
@@ -375,8 +444,8 @@ class _LentRing(StagingBuffers):
 
     def __init__(self, owner: TritonWriter, np_dtype: type[np.generic]):
         self.owner = owner
-        self.ring = _Ring(owner, owner.depth)
         self.np_dtype = np.dtype(np_dtype)
+        self.ring = _Ring(owner, owner.depth, name=f"lent ({self.np_dtype.name} arena)")
         self.current = 0  # the slot the arena stages into
 
     def _lend(self, slot: _Slot) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -411,14 +480,25 @@ class TritonWriter:
         launcher: `"auto"` (after the first JIT launch, bind Triton's C launcher directly on NVIDIA, else
             `CompiledKernel.run`), `"run"` (`CompiledKernel.run` only) or `"jit"` (always Triton's JIT
             launch path). Default `$MULTIWRITE_TRITON_LAUNCHER` or `"auto"`.
-        wait_timeout_s: after this long waiting for a slot, synchronize the device instead of polling.
+        wait_timeout_s: after this long waiting for a slot, synchronize the device instead of polling
+            (then `RingStallError` if the slot is still not released).
+        wait_warn_s: after this long waiting for a slot, warn once (`RingWaitWarning`) naming the device,
+            ring, slot and likely causes.
 
     Attributes:
         launch_path: how launches are issued: `"interpreter"`; `"jit"` (Triton's `kernel[grid](...)`, used
             for the first launch of each dtype); after that `"c-launcher (triton X)"` (the compiled C
             launcher called directly) or `"compiled-kernel-run (triton X)"` (`CompiledKernel.run`), each
             bound only after one validated no-op launch; or `"jit (...)"` with why no fast path was bound.
-        waits: applies that found their slot still in use and waited.
+        waits: applies that found their slot still in use and waited (approximate when several threads
+            apply at once).
+
+    Threads: one writer per device serves every table of the process. Distinct arenas (distinct
+    `BlockTables`, `StagedWriteTensor`s) may be applied from distinct threads at once: a batch staged in a
+    lent ring touches only that ring and lock-free reads (the descriptor cache, the bound launchers); the
+    shared ring, descriptor cache misses, launcher binding and validation run under `_lock`; each launch
+    keeps its descriptor table alive through its ring slot. Under Triton's interpreter (global state)
+    launches are serialized process-wide.
 
     Raises:
         ValueError: `ring_depth < 1`, an unknown guard or launcher.
@@ -434,6 +514,7 @@ class TritonWriter:
         guard: str | None = None,
         launcher: str | None = None,
         wait_timeout_s: float = 10.0,
+        wait_warn_s: float = 1.0,
     ):
         depth = _env_int("MULTIWRITE_TRITON_RING_DEPTH", 8) if ring_depth is None else int(ring_depth)
         guard = (os.environ.get("MULTIWRITE_TRITON_GUARD") or "kernel") if guard is None else guard
@@ -451,7 +532,9 @@ class TritonWriter:
         self.guard = guard if self.is_gpu else "kernel"
         self.launcher = launcher
         self.wait_timeout_s = wait_timeout_s
+        self.wait_warn_s = wait_warn_s
         self.waits = 0
+        self._lock = threading.RLock()  # the shared ring, descriptor cache misses, launcher binding
         self._index = device.index if device.index is not None else 0
         if self.is_gpu:
             sms = torch.cuda.get_device_properties(self._index).multi_processor_count
@@ -463,8 +546,9 @@ class TritonWriter:
         self._retiring: list[_Ring] = []  # rings of dead arenas, kept alive while kernels may read them
         self._descs: OrderedDict[tuple, _Descriptors] = OrderedDict()
         self._fire: dict = {}  # (values numpy dtype, decode?) -> bound fast launch, or None when it cannot be
-        self._last_key: tuple | None = None
-        self._last_desc: _Descriptors = None  # type: ignore[assignment]  # set with _last_key
+        # (key, descriptors) of the last batch: ONE attribute, so that a thread never pairs another
+        # thread's key with its own descriptors (two attributes are not written atomically).
+        self._last: tuple = (None, None)
         self._bw, self._bl, self._max_splits = params.block_w, params.block_l, params.max_splits
         self._bw1, self._bl1 = params.block_w - 1, params.block_l - 1
         self._dbw, self._dbw1 = params.decode_block_w, params.decode_block_w - 1
@@ -472,21 +556,33 @@ class TritonWriter:
 
     # -- descriptors ------------------------------------------------------------------------------
     def _new_descriptors(self, key: tuple, tables: Sequence[torch.Tensor]) -> _Descriptors:
-        rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
-        tensor = torch.tensor(rows, dtype=torch.int64).to(self.device)  # synchronous: complete on return
-        d = _Descriptors(tensor, tensor.data_ptr(), len(rows))
-        self._descs[key] = d
-        if len(self._descs) > self.DESCRIPTOR_CACHE_SIZE:
-            # A kernel queued on any stream may still read the oldest entry: let it finish first (rare).
-            if self.is_gpu:
-                torch.cuda.synchronize(self.device)
-            self._descs.popitem(last=False)
-        return d
+        """The descriptor table of `key` (the tables' pointers, shapes, strides), created under the lock.
+
+        A descriptor is a pure function of its key, so a cache hit read without the lock is right even
+        while another thread inserts or evicts. Evicting needs no synchronization: every launch keeps its
+        descriptors alive through its ring slot (`_Slot.desc`) until the host sees it finished.
+        """
+        with self._lock:
+            d = self._descs.get(key)
+            if d is not None:
+                return d
+            rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
+            tensor = torch.tensor(rows, dtype=torch.int64).to(self.device)  # synchronous: complete on return
+            d = _Descriptors(tensor, tensor.data_ptr(), len(rows))
+            self._descs[key] = d
+            if len(self._descs) > self.DESCRIPTOR_CACHE_SIZE:
+                self._descs.popitem(last=False)
+            return d
 
     # -- staging buffers ---------------------------------------------------------------------------
     def lend(self, np_dtype: type[np.generic]) -> _LentRing:
         """Staging buffers for one arena: a ring of its own whose slots it stages into in place."""
-        self._retiring = [ring for ring in self._retiring if not ring.idle()]
+        retiring = self._retiring  # pruned in place: `release` may append from another thread (or the GC)
+        for ring in [r for r in retiring if r.idle()]:
+            try:
+                retiring.remove(ring)
+            except ValueError:  # pruned by another thread meanwhile
+                pass
         return _LentRing(self, np_dtype)
 
     # -- apply ------------------------------------------------------------------------------------
@@ -494,8 +590,9 @@ class TritonWriter:
         """One kernel launch per batch with values, on the current stream of `device`; no host sync.
 
         Per batch: a descriptor-cache lookup keyed by every table's (data_ptr, shape, strides), then the
-        launch. A batch staged in one of this writer's lent rings (`batch.buffers`) is read in place; any
-        other takes a free slot of the writer's own ring (a read of a pinned word) and two memcpys.
+        launch. A batch staged in one of this writer's lent rings (`batch.buffers`) is read in place, with
+        no lock; any other takes a free slot of the writer's shared ring (a read of a pinned word) and two
+        memcpys, under `_lock` until launched.
         """
         for batch in batches:
             values = batch.values
@@ -504,32 +601,40 @@ class TritonWriter:
                 continue  # only empty writes
             tables = batch.tables
             key = (*map(_PTR, tables), *map(_SIZE, tables), *map(_STRIDE, tables))
-            if key == self._last_key:
-                desc = self._last_desc
+            last = self._last
+            if key == last[0]:
+                desc = last[1]
             else:
                 found = self._descs.get(key)
                 desc = self._new_descriptors(key, tables) if found is None else found
-                self._last_key, self._last_desc = key, desc
+                self._last = (key, desc)
             meta = batch.meta
             w = meta.shape[0]
             lent = batch.buffers
+            lock = None
             if lent.__class__ is _LentRing and lent.owner is self and not batch.may_overlap:  # type: ignore[union-attr]
                 ring, i = lent.ring, lent.current  # type: ignore[union-attr]  # staged in place: no copy
                 slot = ring.slots[i]
                 rounds = 1
             else:
-                ring = self._ring
-                i = ring.take(w, v)
-                slot = ring.slots[i]
-                if batch.may_overlap:
-                    meta, bounds = overlap_rounds(meta)
-                    rounds = bounds.shape[0] - 1
-                    slot.bounds[: rounds + 1] = bounds
-                else:
-                    rounds = 1
-                slot.meta[:w] = meta
-                slot.views[values.dtype][:v] = values
-            decode = v <= PRELOADED_VALUES  # a decode step: many short writes, values preloaded
+                lock = self._lock  # the shared ring: held from taking the slot until the launch is recorded
+                lock.acquire()
+                try:
+                    ring = self._ring
+                    i = ring.take(w, v)
+                    slot = ring.slots[i]
+                    if batch.may_overlap:
+                        meta, bounds = overlap_rounds(meta)
+                        rounds = bounds.shape[0] - 1
+                        slot.bounds[: rounds + 1] = bounds
+                    else:
+                        rounds = 1
+                    slot.meta[:w] = meta
+                    slot.views[values.dtype][:v] = values
+                except BaseException:
+                    lock.release()
+                    raise
+            decode = v <= _PRELOADED  # a decode step: many short writes, values preloaded
             if rounds > 1:
                 grid0 = grid1 = 1
             elif decode:
@@ -540,6 +645,7 @@ class TritonWriter:
                 if grid1 > 1:
                     grid1 = max(1, min(grid1, self._max_splits, self._max_programs // grid0))
             token = ring.next_token(i)
+            slot.desc = desc  # alive until this launch is seen finished (the slot's next take)
             args = (
                 desc.addr, slot.meta_addr, slot.values_addr, slot.bounds_addr, ring.counter_addr[i],
                 ring.done_addr[i], token, desc.num_tables, w, v, rounds,
@@ -554,10 +660,13 @@ class TritonWriter:
                 else:
                     with torch.cuda.device(self._index):
                         fire(grid0, grid1, _get_stream(self._index), args)
+                ring.launched(i)
             except BaseException:
                 ring.done_mv[i] = token  # nothing was launched: the slot is free
                 raise
-            ring.launched(i)
+            finally:
+                if lock is not None:
+                    lock.release()
 
     def _launch_jit(self, dtype: torch.dtype, variant: tuple, grid0: int, grid1: int, args: tuple) -> None:
         """Launch through Triton's JIT (`kernel[grid](...)`); on a GPU, then try to bind a fast launcher.
@@ -568,12 +677,18 @@ class TritonWriter:
         bw, bl = (p.decode_block_w, p.decode_block_l) if variant[1] else (p.block_w, p.block_l)
         consts = {"VALUE_DTYPE": TL_DTYPES[dtype], "BLOCK_W": bw, "BLOCK_L": bl}
         if not self.is_gpu:
-            _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
+            with _INTERPRETER_LOCK:  # the interpreter keeps the program ids in global state
+                _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
             return
-        with torch.cuda.device(self._index):
-            kernel = _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
-        if variant not in self._fire and self.launcher != "jit":
-            self._fire[variant] = self._bind_fast(kernel, (consts["VALUE_DTYPE"], bw, bl))
+        with self._lock:  # one thread compiles, binds and validates (the validation word is shared)
+            fire = self._fire.get(variant)
+            with torch.cuda.device(self._index):
+                if fire is not None:  # bound by another thread meanwhile
+                    fire(grid0, grid1, _get_stream(self._index), args)
+                    return
+                kernel = _write_kernel[(grid0, grid1)](*args, **consts, num_warps=p.num_warps, num_stages=1)
+            if variant not in self._fire and self.launcher != "jit":
+                self._fire[variant] = self._bind_fast(kernel, (consts["VALUE_DTYPE"], bw, bl))
 
     def _bind_fast(self, kernel, consts: tuple):
         """A launch function `fire(grid0, grid1, stream, args)` that bypasses the JIT, or None.

@@ -8,7 +8,7 @@ plugins (entry-point group `multiwrite`); `select_backend` picks the best one fo
 from multiwrite.backend import Backend, WriteBatch
 from multiwrite.block_tables import BlockTables
 from multiwrite.dispatch import BackendStatus, available_backends, get_plugin_manager, select_backend
-from multiwrite.errors import BackendUnavailableError, StagedWriteError
+from multiwrite.errors import BackendUnavailableError, ForkedCudaError, GraphCaptureError, StagedWriteError
 from multiwrite.hookspecs import hookimpl
 from multiwrite.staging import StagedWriteTensor
 from multiwrite.writer import FusedStagedWriter
@@ -20,7 +20,9 @@ __all__ = [
     "BackendStatus",
     "BackendUnavailableError",
     "BlockTables",
+    "ForkedCudaError",
     "FusedStagedWriter",
+    "GraphCaptureError",
     "StagedWriteError",
     "StagedWriteTensor",
     "WriteBatch",

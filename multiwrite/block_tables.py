@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from multiwrite.backend import Backend
+from multiwrite.capture import refuse_capture
 from multiwrite.errors import StagedWriteError
 from multiwrite.staging import (
     META_COLUMNS,
@@ -333,7 +334,11 @@ class BlockTables:
         """Drop every staged write and restore `num_blocks` to its value at the last apply.
 
         On a GPU this reads `num_blocks_device` back (a synchronizing copy).
+
+        Raises:
+            GraphCaptureError: the current CUDA stream is capturing a graph; nothing is dropped.
         """
+        refuse_capture(self.device, "BlockTables.clear_staged_writes")
         self._arena.clear()
         self._context_view[_CTX_EPOCH] += 1
         np.copyto(self.num_blocks, self.num_blocks_device.cpu().numpy())

@@ -19,3 +19,19 @@ class BackendUnavailableError(RuntimeError):
 
     The message lists each backend considered with the reasons it cannot run.
     """
+
+
+class GraphCaptureError(RuntimeError):
+    """An apply or clear was called while the current CUDA stream is being captured into a CUDA graph.
+
+    multiwrite cannot be captured yet (the kernel reads a host ring slot by address, so a replay would
+    write whatever batch sits there then; tracked by the block-table stage issue). Raised before anything
+    is recorded or changed: staged writes stay staged. Apply outside the captured region instead.
+    """
+
+
+class ForkedCudaError(RuntimeError):
+    """CUDA tables used in a process forked after its parent initialized CUDA (CUDA cannot work there).
+
+    Start worker processes with the 'spawn' or 'forkserver' start method, or use CPU tables in the child.
+    """

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from multiwrite.backend import Backend, WriteBatch
+from multiwrite.capture import refuse_capture
 from multiwrite.dispatch import _device, select_backend
 from multiwrite.errors import StagedWriteError
 from multiwrite.staging import META_TABLE, META_VALUE_OFFSET, StagedWriteTensor, StagingArena, dtype_name
@@ -66,7 +67,10 @@ class FusedStagedWriter:
         Raises:
             StagedWriteError: a table is on another device than the writer's, or was resized below its
                 staged writes. Raised before anything is written; every staged write stays staged.
+            GraphCaptureError: the current CUDA stream is capturing a graph (see `multiwrite.capture`);
+                raised before anything is recorded; every staged write stays staged.
         """
+        refuse_capture(self.device, "FusedStagedWriter.apply")
         fast = self._fast
         if (
             fast is not None

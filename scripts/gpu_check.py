@@ -1,23 +1,17 @@
-"""GPU acceptance run for `triton-cuda` (issue 3): tests, race, streams, reallocation, timing.
+"""GPU timing run for `triton-cuda`: host and device times of the fused apply, and Nsight Compute.
+
+Not a test: it measures and reports, it does not pass or fail on speed. The correctness checks it once
+ran (the test matrix, race, streams, reallocation, replay) are pytest tests now: `pytest tests/gpu` (or
+`tox -e cuda` for everything with triton-cuda forced).
 
 Run from the repository root on the GPU machine (no network needed)::
 
     OUT=/some/dir python scripts/gpu_check.py            # everything, logs under $OUT
-    python scripts/gpu_check.py --parts race,streams      # a subset
+    python scripts/gpu_check.py --parts timing            # a subset
     TRITON_INTERPRET=1 python scripts/gpu_check.py --device cpu --quick   # smoke-test this script on CPU
 
 Parts (each in its own try/except; the exit status is non-zero if any fails):
   install  multiwrite must be installed (entry points); if not, `pip install --no-deps -e .` is tried.
-  tests    `python -m pytest tests -q -rs` with MULTIWRITE_BACKEND=triton-cuda (log: pytest.log; no -x,
-           so one run shows every failure).
-  race     the stream held busy by `torch.cuda._sleep`, 10,000 applies of random batches through
-           BlockTables and three StagedWriteTensors (int32/int64/float32, overlapping writes) with a
-           ring of depth 2 and no host synchronization, then one synchronize: equal to the reference.
-  streams  applies on a non-default stream land on that stream (checked while it is still asleep);
-           two streams sharing one ring of depth 2.
-  realloc  `.tensor` replaced through its setter, `resize_` and `set_` in place: writes land in the new
-           storage, the old storage (and a canary allocated where it was freed) is never written.
-  replay   `multiwrite replay --device cuda --backend triton-cuda` for G1 and G3 at C=40 and 256.
   timing   host times on the trace for G1-G4 at C=40/256 (the launcher/guard variants on G1 and G3): in
            each step every variant, in turn, stages, applies, synchronizes, then launches the empty Triton
            kernel and synchronizes, so "x empty" is the ratio of medians of apply (or step) and the
@@ -30,8 +24,7 @@ Parts (each in its own try/except; the exit status is non-zero if any fails):
            and of the empty kernel, 20 applies each between cudaProfilerStart/Stop, --clock-control
            none: the kernel time on the device, launch overhead excluded (log: ncu.log).
 
-Writes `$OUT/gpu_check.log`, `$OUT/pytest.log`, `$OUT/results.json`, `$OUT/ncu.log` (OUT defaults to
-./gpu_check_out).
+Writes `$OUT/gpu_check.log`, `$OUT/results.json`, `$OUT/ncu.log` (OUT defaults to ./gpu_check_out).
 """
 
 from __future__ import annotations
@@ -93,86 +86,6 @@ def backend_instance(**kw):
     return TritonCudaBackend(**kw)
 
 
-# -- random workloads --------------------------------------------------------------------------------
-class RandomBlockTables:
-    """A BlockTables plus its reference, driven by random append_block_ids calls (with overlaps)."""
-
-    def __init__(self, device, backend, rng, reqs=48, block_sizes=(16, 32, 8), kernel_block_sizes=(16, 16, 8)):
-        from multiwrite import BlockTables
-        from multiwrite.reference import ReferenceBlockTables
-
-        self.widths = [40, 24, 60]
-        self.bt = BlockTables(list(block_sizes), reqs, self.widths, device, list(kernel_block_sizes), backend=backend)
-        self.ref = ReferenceBlockTables(list(block_sizes), reqs, self.widths, list(kernel_block_sizes))
-        self.k = self.bt.kernel_blocks_per_block
-        self.rng = rng
-        self.reqs = reqs
-
-    def stage_step(self, max_calls: int = 12) -> None:
-        rng = self.rng
-        for _ in range(int(rng.integers(1, max_calls + 1))):
-            r = int(rng.integers(0, self.reqs))
-            overwrite = bool(rng.random() < 0.3)
-            ids = []
-            for g, k in enumerate(self.k):
-                room = (self.widths[g] * k - (0 if overwrite else int(self.ref.num_blocks[g, r]))) // k
-                n = int(rng.integers(0, min(room, 3 if rng.random() < 0.9 else 40) + 1)) if room > 0 else 0
-                ids.append(rng.integers(1, 100_000, n).tolist())
-            if not overwrite and not any(ids):
-                continue
-            self.bt.append_block_ids(r, ids, overwrite)
-            self.ref.append_block_ids(r, ids, overwrite)
-
-    def mismatches(self) -> int:
-        from multiwrite.replay import count_mismatches
-
-        return count_mismatches(self.bt, self.ref)
-
-
-class RandomTensors:
-    """Three StagedWriteTensors (int32 k=2, int64, float32) applied together, with their references."""
-
-    def __init__(self, device, backend, rng):
-        from multiwrite import FusedStagedWriter, StagedWriteTensor
-
-        self.tabs = [
-            StagedWriteTensor((16, 300), torch.int32, device, name="i32", kernel_blocks_per_block=2),
-            StagedWriteTensor((8, 70), torch.int64, device, name="i64"),
-            StagedWriteTensor(33, torch.float32, device, name="f32"),
-        ]
-        self.refs = [np.zeros(t.tensor.shape if t.tensor.dim() == 2 else (33, 1), np.float64) for t in self.tabs]
-        self.ks = [2, 1, 1]
-        self.writer = FusedStagedWriter(device, backend=backend)
-        self.rng = rng
-
-    def stage_step(self) -> None:
-        from multiwrite.reference import apply_writes_reference
-
-        rng = self.rng
-        for _ in range(int(rng.integers(0, 10))):
-            j = int(rng.integers(0, 3))
-            rows, cols = self.refs[j].shape
-            k = self.ks[j]
-            row = int(rng.integers(0, rows))
-            n = int(rng.integers(0, cols // k + 1)) if rng.random() < 0.1 else int(rng.integers(0, 4))
-            n = min(n, cols // k)
-            start = int(rng.integers(0, cols - n * k + 1))
-            vals = rng.integers(0, 1 << 20, n)
-            vals = vals + 0.5 if j == 2 else vals
-            self.tabs[j].stage_write(row, start, vals)
-            apply_writes_reference(self.refs[j], [(row, start, vals)], k)
-
-    def apply(self) -> None:
-        self.writer.apply(self.tabs)
-
-    def mismatches(self) -> int:
-        bad = 0
-        for t, ref in zip(self.tabs, self.refs):
-            got = t.tensor.cpu().numpy().reshape(ref.shape).astype(np.float64)
-            bad += int(np.count_nonzero(got != ref))
-        return bad
-
-
 # -- parts ---------------------------------------------------------------------------------------------
 def part_install(args) -> dict:
     try:
@@ -213,228 +126,6 @@ def _driver_version() -> str:
         return out.stdout.strip().splitlines()[0]
     except Exception as exc:
         return f"unknown ({exc})"
-
-
-def part_tests(args) -> dict:
-    env = dict(os.environ, MULTIWRITE_BACKEND="triton-cuda")
-    # No -x: one GPU run should show every failure, not only the first.
-    cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-rs", "-p", "no:cacheprovider"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    (OUT / "pytest.log").write_text(proc.stdout + "\n" + proc.stderr)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-    for line in tail:
-        log("  " + line)
-    if proc.returncode:
-        raise RuntimeError(f"pytest exited {proc.returncode} (see pytest.log)")
-    return {"seconds": round(time.perf_counter() - t0, 1), "summary": tail[-1] if tail else ""}
-
-
-def part_race(args) -> dict:
-    device = args.device
-    backend = backend_instance(ring_depth=2)
-    rng = np.random.default_rng(1234)
-    bt = RandomBlockTables(device, backend, rng)
-    ts = RandomTensors(device, backend, rng)
-    n = 300 if args.quick else 10_000
-    # Warm-up: compile and bind the launcher of every dtype (binding validates with one sync), then
-    # nothing below synchronizes until the end.
-    bt.stage_step()
-    bt.bt.apply_staged_writes()
-    for j, t in enumerate(ts.tabs):
-        t.stage_write(0, 0, [1])
-        ts.refs[j][0, 0 : ts.ks[j]] = [1 * ts.ks[j] + x if ts.ks[j] > 1 else 1 for x in range(ts.ks[j])]
-    ts.apply()
-    sync(device)
-    t0 = time.perf_counter()
-    busy(device, 0.5)
-    for it in range(n):
-        if it % 1000 == 999:
-            busy(device, 0.05)  # fall behind again, so the host has to wait for slots
-        bt.stage_step()
-        bt.bt.apply_staged_writes()
-        if it % 3 == 0:
-            ts.stage_step()
-            ts.apply()
-    host_s = time.perf_counter() - t0
-    sync(device)
-    writer = backend.writer(device)
-    bad_bt, bad_ts = bt.mismatches(), ts.mismatches()
-    res = {
-        "applies": n, "ring_depth": 2, "host_waits": writer.waits, "host_seconds": round(host_s, 2),
-        "mismatches_block_tables": bad_bt, "mismatches_tensors": bad_ts, "launch_path": writer.launch_path,
-    }  # fmt: skip
-    log(f"  {res}")
-    if bad_bt or bad_ts:
-        raise AssertionError(f"race: {bad_bt} + {bad_ts} cells differ from the reference")
-    if device.type == "cuda" and writer.waits == 0:
-        raise AssertionError("race: the host never had to wait for a slot; the guard was not exercised")
-    return res
-
-
-def part_streams(args) -> dict:
-    device = args.device
-    if device.type != "cuda":
-        log("  skipped on CPU")
-        return {"skipped": "cpu"}
-    from multiwrite import StagedWriteTensor
-
-    backend = backend_instance(ring_depth=2)
-    rng = np.random.default_rng(7)
-    # 1. The launch goes to the current (non-default) stream: while that stream sleeps, the default
-    #    stream sees nothing written; after it, everything.
-    t = StagedWriteTensor((64, 128), torch.int32, device, name="t")
-    from multiwrite import FusedStagedWriter
-
-    writer = FusedStagedWriter(device, backend=backend)
-    t.stage_write(0, 0, [1])
-    writer.apply([t])  # first launch of the decode tile: compiles and binds its fast path
-    for row in range(64):  # and of the general tile (more than 256 values): no compile in the timed part
-        t.stage_write(row, 0, [1] * 5)
-    writer.apply([t])
-    sync(device)
-    s = torch.cuda.Stream(device)
-    ref = t.tensor.cpu().numpy().copy()
-    with torch.cuda.stream(s):
-        busy(device, 0.3)
-        for row in range(64):
-            vals = rng.integers(1, 1000, 5)
-            t.stage_write(row, 3, vals)
-            ref[row, 3:8] = vals
-        writer.apply([t])
-    early = t.tensor.cpu().numpy()  # default stream: must not wait for s
-    s.synchronize()
-    late = t.tensor.cpu().numpy()
-    if np.array_equal(early, ref):
-        raise AssertionError("the apply on a non-default stream ran before that stream's sleep ended")
-    if not np.array_equal(late, ref):
-        raise AssertionError("non-default stream: result differs from the reference")
-    # 2. Two streams, two table sets, one backend (one ring of depth 2), alternating, no host sync.
-    s2 = torch.cuda.Stream(device)
-    sets = [RandomBlockTables(device, backend, rng), RandomBlockTables(device, backend, rng)]
-    for it in range(2000 if not args.quick else 100):
-        stream = (s, s2)[it % 2]
-        with torch.cuda.stream(stream):
-            if it % 500 == 0:
-                busy(device, 0.02)
-            rb = sets[it % 2]
-            rb.stage_step()
-            rb.bt.apply_staged_writes()
-    s.synchronize()
-    s2.synchronize()
-    bad = sum(rb.mismatches() for rb in sets)
-    res = {"non_default_stream": "ok", "two_streams_mismatches": bad, "host_waits": backend.writer(device).waits}
-    log(f"  {res}")
-    if bad:
-        raise AssertionError(f"two streams: {bad} cells differ")
-    return res
-
-
-def part_realloc(args) -> dict:
-    device = args.device
-    from multiwrite import FusedStagedWriter, StagedWriteTensor
-
-    backend = backend_instance(ring_depth=2)
-    writer = FusedStagedWriter(device, backend=backend)
-    rng = np.random.default_rng(11)
-    out = {}
-
-    def stage(t, ref, n=20, cols=None):
-        rows, cols = ref.shape[0], cols or ref.shape[1]
-        for _ in range(n):
-            row, m = int(rng.integers(0, rows)), int(rng.integers(1, 5))
-            start = int(rng.integers(0, cols - m + 1))
-            vals = rng.integers(1, 1 << 30, m)
-            t.stage_write(row, start, vals)
-            ref[row, start : start + m] = vals
-
-    # a) replaced through the setter, with writes staged before and after
-    t = StagedWriteTensor((32, 64), torch.int32, device, name="a")
-    ref = np.zeros((32, 64), np.int64)
-    stage(t, ref)
-    writer.apply([t])
-    old = t.tensor
-    old_snapshot = old.cpu().numpy().copy()
-    new = old.clone()
-    stage(t, ref)  # staged for the old tensor, applied to the new one
-    t.tensor = new
-    stage(t, ref)
-    writer.apply([t])
-    sync(device)
-    ok_a = np.array_equal(new.cpu().numpy(), ref) and np.array_equal(old.cpu().numpy(), old_snapshot)
-    out["setter"] = ok_a
-
-    # b) resize_ in place to more columns (reallocates); a canary allocated right after may reuse the freed block
-    t = StagedWriteTensor((32, 64), torch.int32, device, name="b")
-    ref = np.zeros((32, 64), np.int64)
-    stage(t, ref)
-    writer.apply([t])
-    sync(device)
-    ptr_before = t.tensor.data_ptr()
-    t.tensor.resize_(32, 96)
-    t.tensor.zero_()
-    canary = torch.full((32, 64), -7, dtype=torch.int32, device=device)
-    ref = np.zeros((32, 96), np.int64)
-    stage(t, ref, cols=64)  # staging still checks the old width; the new row stride (96) must be used
-    writer.apply([t])
-    sync(device)
-    ok_b = np.array_equal(t.tensor.cpu().numpy(), ref) and bool((canary == -7).all())
-    out["resize_"] = ok_b
-    out["resize_reallocated"] = t.tensor.data_ptr() != ptr_before
-
-    # c) set_ to another storage (same shape, so only the pointer changes), then back
-    t = StagedWriteTensor((32, 64), torch.int32, device, name="c")
-    ref = np.zeros((32, 64), np.int64)
-    stage(t, ref)
-    writer.apply([t])
-    old_alias = t.tensor.view(32, 64)  # keeps the old storage alive and visible
-    old_snapshot = old_alias.cpu().numpy().copy()
-    other = t.tensor.clone()
-    t.tensor.set_(other)
-    stage(t, ref)
-    writer.apply([t])
-    sync(device)
-    ok_c = np.array_equal(t.tensor.cpu().numpy(), ref) and np.array_equal(old_alias.cpu().numpy(), old_snapshot)
-    out["set_"] = ok_c
-
-    # d) BlockTables: one group's table replaced mid-run through the setter
-    rb = RandomBlockTables(device, backend, rng)
-    for _ in range(50):
-        rb.stage_step()
-        rb.bt.apply_staged_writes()
-    sync(device)
-    old = rb.bt[1].tensor
-    rb.bt[1].tensor = old.clone()
-    old_snapshot = old.cpu().numpy().copy()
-    for _ in range(50):
-        rb.stage_step()
-        rb.bt.apply_staged_writes()
-    sync(device)
-    out["block_tables_setter"] = rb.mismatches() == 0 and np.array_equal(old.cpu().numpy(), old_snapshot)
-    log(f"  {out}")
-    failed = [k for k, v in out.items() if v is False]
-    if failed:
-        raise AssertionError(f"reallocated tables: {failed} failed")
-    return out
-
-
-def part_replay(args) -> dict:
-    res = {}
-    device = "cuda" if args.device.type == "cuda" else "cpu"
-    for name, bs, kbs in (("G1", "16", "16"), ("G3", "16,32,8", "16,16,8")):
-        for c in (40, 256):
-            cmd = [sys.executable, "-m", "multiwrite.cli", "replay", "--device", device, "--no-progress",
-                   "--backend", "triton-cuda", "--block-sizes", bs, "--kernel-block-sizes", kbs,
-                   "--concurrency", str(c)]  # fmt: skip
-            if args.quick:
-                cmd += ["--steps", "30"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            text = (proc.stdout + proc.stderr).strip()
-            log(f"  {name} C={c}: rc={proc.returncode}: " + " | ".join(text.splitlines()[-4:]))
-            res[f"{name}-C{c}"] = {"rc": proc.returncode, "out": text[-1500:]}
-            if proc.returncode:
-                raise AssertionError(f"replay {name} C={c} exited {proc.returncode}")
-    return res
 
 
 def _median_us(fn: Callable[[], object], n: int, device, sync_every: int = 50, setup=None) -> float:
@@ -813,10 +504,7 @@ def part_ncu(args) -> dict:
     return res
 
 
-PARTS = {
-    "install": part_install, "tests": part_tests, "race": part_race, "streams": part_streams,
-    "realloc": part_realloc, "replay": part_replay, "timing": part_timing, "ncu": part_ncu,
-}  # fmt: skip
+PARTS = {"install": part_install, "timing": part_timing, "ncu": part_ncu}
 
 
 def main(argv=None) -> int:
