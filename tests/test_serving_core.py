@@ -530,3 +530,73 @@ def test_reference_helper_matches_staged_writes_after_resizes(backend):
         writer.apply([t])
         apply_writes_reference(ref, writes)
         assert host(t.tensor).numpy().tolist() == ref.tolist(), step
+
+
+# -- 8. threads: distinct objects from distinct threads ------------------------------------------------
+def _thread_worker(seed: int, backend_name: str, steps: int) -> None:
+    """One thread's own BlockTables and StagedWriteTensors, checked against the reference as it goes."""
+    rng = np.random.default_rng(seed)
+    sizes, kernel, widths, reqs = [16, 32], [16, 16], [6, 4], 8
+    bt = BlockTables(sizes, reqs, widths, "cpu", kernel, backend=backend_name)
+    ref = ReferenceBlockTables(sizes, reqs, widths, kernel)
+    ints = StagedWriteTensor((4, 8), torch.int32, name=f"ints-{seed}")
+    floats = StagedWriteTensor(16, torch.float32, name=f"floats-{seed}")
+    writer = FusedStagedWriter("cpu", backend_name)
+    ints_ref, floats_ref = np.zeros((4, 8), np.int64), np.zeros((16, 1), np.float64)
+    for step in range(steps):
+        if step % 11 == 5:  # a batch staged, then dropped: the reference never sees it
+            bt.append_block_ids(0, ([1], []), True)
+            bt.append_block_ids(1, ([2], [3]), True)
+            bt.clear_staged_writes()
+        for _ in range(int(rng.integers(1, 5))):
+            req = int(rng.integers(0, reqs))
+            ids = [rng.integers(0, 1000, size=int(rng.integers(0, 3))).tolist() for _ in sizes]
+            room = all(ref.num_blocks[g, req] + len(ids[g]) * ref.k[g] <= ref.tables[g].shape[1] for g in range(2))
+            overwrite = bool(rng.integers(0, 4) == 0) or not room
+            bt.append_block_ids(req, ids, overwrite)
+            ref.append_block_ids(req, ids, overwrite)
+        bt.apply_staged_writes()
+        writes = [(int(rng.integers(0, 4)), int(rng.integers(0, 6)), rng.integers(-9, 9, size=2).tolist())]
+        for row, start, vals in writes:
+            ints.stage_write(row, start, vals)
+        apply_writes_reference(ints_ref, writes)
+        cell = int(rng.integers(0, 16))
+        floats.stage_write_elem(cell, step + 0.5)
+        floats_ref[cell, 0] = step + 0.5
+        if step % 2:
+            apply_writes(ints, floats)
+        else:
+            writer.apply([ints, floats])
+    for g in range(2):
+        assert bt[g].tensor.tolist() == ref.tables[g].tolist(), (seed, g)
+    assert bt.num_blocks_device.tolist() == ref.num_blocks.tolist() == bt.num_blocks.tolist(), seed
+    assert ints.tensor.tolist() == ints_ref.tolist() and floats.tensor.tolist() == floats_ref[:, 0].tolist()
+
+
+def test_eight_threads_with_their_own_objects_match_the_reference(backend):
+    import sys
+    import threading
+
+    if backend.device.type != "cpu" or backend.name.startswith("triton"):
+        pytest.skip("native CPU backends (the GPU case is under tests/gpu)")
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def run(seed: int) -> None:
+        try:
+            barrier.wait()
+            _thread_worker(seed, backend.name, steps=150)
+        except BaseException as exc:  # reported below, with the thread's seed
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads as often as possible: interleave staging and applies
+    try:
+        threads = [threading.Thread(target=run, args=(seed,)) for seed in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
