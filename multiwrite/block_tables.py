@@ -241,7 +241,13 @@ class BlockTables:
         """`append_block_ids` without the compiled path: same checks, same staged data, precise errors."""
         groups = self._groups
         if not isinstance(new_block_ids, Sequence):
-            new_block_ids = list(new_block_ids)  # a generator of per-group lists
+            try:
+                new_block_ids = list(new_block_ids)  # a generator of per-group lists
+            except TypeError:
+                raise StagedWriteError(
+                    f"append_block_ids: request row {req_index!r}: new_block_ids must be one sequence of block "
+                    f"ids per KV-cache group, got {type(new_block_ids).__name__}"
+                ) from None
         if len(new_block_ids) != len(groups):
             raise StagedWriteError(
                 f"append_block_ids: request row {req_index}: got block ids for {len(new_block_ids)} KV-cache "
@@ -303,6 +309,7 @@ class BlockTables:
                         else:
                             i = v
                             for b in ids:
+                                b = operator.index(b)  # a numpy scalar times k would wrap in its own dtype
                                 for j in range(b * k, b * k + k):
                                     flat[i] = j
                                     i += 1

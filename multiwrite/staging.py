@@ -689,8 +689,11 @@ def _check_expanded_range(values: Any, k: int, np_dtype: type[np.generic], descr
     if np_dtype is np.float32:
         return
     lo, hi = _INT_LIMITS[np_dtype]
+    # Python ints: a numpy scalar times k would wrap around in its own dtype and pass the check.
     vmin, vmax = (
-        (int(values.min()), int(values.max())) if isinstance(values, np.ndarray) else (min(values), max(values))
+        (int(values.min()), int(values.max()))
+        if isinstance(values, np.ndarray)
+        else (operator.index(min(values)), operator.index(max(values)))
     )
     if vmin * k < lo or vmax * k + k - 1 > hi:
         bad = vmin if vmin * k < lo else vmax

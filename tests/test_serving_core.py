@@ -335,6 +335,29 @@ def test_bad_block_ids_raise_staged_write_error(staging, ids, fragment):
     assert bt[1].tensor[:, 0].tolist() == [2, 5]
 
 
+def test_numpy_scalar_ids_expand_without_wrapping(staging):
+    """`np.uint8(250) * 4` is 232 in uint8: expansion and its range check must use Python integers."""
+    bt = BlockTables([64], 2, [4], "cpu", [16], backend="torch-cpu")
+    bt.append_block_ids(0, ([np.uint8(250), np.int16(3)],), True)
+    bt.apply_staged_writes()
+    assert bt[0].tensor[0, :8].tolist() == [1000, 1001, 1002, 1003, 12, 13, 14, 15]
+    t = StagedWriteTensor((2, 8), torch.int32, kernel_blocks_per_block=4, name="k4")
+    t.stage_write(0, 0, [np.uint8(250)])
+    FusedStagedWriter("cpu", "torch-cpu").apply([t])
+    assert t.tensor[0, :4].tolist() == [1000, 1001, 1002, 1003]
+    wide = StagedWriteTensor((2, 8), torch.int64, kernel_blocks_per_block=4, name="wide")
+    with pytest.raises(StagedWriteError, match="value 4611686018427387904 expanded to 4 kernel blocks"):
+        wide.stage_write(0, 0, [np.int64(2**62)])
+    assert wide.num_staged_writes == 0
+
+
+@pytest.mark.parametrize("new_block_ids", [5, None])
+def test_block_ids_that_are_not_sequences(staging, new_block_ids):
+    bt = BlockTables([16], 2, [4], "cpu", backend="torch-cpu")
+    with pytest.raises(StagedWriteError, match="one sequence of block ids per KV-cache group"):
+        bt.append_block_ids(1, new_block_ids, False)
+
+
 # -- 5. a backend that fails half-way ------------------------------------------------------------------
 class HalfFailingBackend(Backend):
     """A plugin-like backend: writes the first half of each batch's tables, then raises (while armed)."""
