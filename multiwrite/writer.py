@@ -90,7 +90,13 @@ class FusedStagedWriter:
         if type(tensors) is not list:
             tensors = list(tensors)
         fast = self._fast
-        if fast is not None and fast[0] == tensors and fast[1].layout_version == fast[2]:
+        if fast is not None:
+            try:  # identical items compare by identity; anything else (a numpy array...) is not the same
+                if not (fast[0] == tensors and fast[1].layout_version == fast[2]):
+                    fast = None
+            except Exception:
+                fast = None
+        if fast is not None:
             users = fast[4]
             try:
                 same = users[0]._version == fast[5]

@@ -269,9 +269,15 @@ def test_tables_of_two_dtypes_over_one_memory_are_refused(backend):
 def test_an_item_that_is_not_a_staged_write_tensor_is_named(backend):
     t = StagedWriteTensor((2, 2), torch.int32, backend.device)
     t.stage_write(0, 0, [1])
+    writer = FusedStagedWriter(backend.device, backend.name)
     with pytest.raises(TypeError, match=r"item 1 is a torch\.Tensor, not a StagedWriteTensor"):
-        FusedStagedWriter(backend.device, backend.name).apply([t, torch.zeros(2)])
+        writer.apply([t, torch.zeros(2)])
     assert t.num_staged_writes == 1 and host(t.tensor).sum() == 0
+    writer.apply([t])  # the repeat fast path is armed now: other items must still get the clear error
+    for bad in (np.zeros(3), torch.zeros(3), "x"):
+        with pytest.raises(TypeError, match=r"item 0 is a .*, not a StagedWriteTensor"):
+            writer.apply([bad])
+    assert host(t.tensor)[0, 0] == 1
 
 
 # -- 4. bad values become StagedWriteError ---------------------------------------------------------------
