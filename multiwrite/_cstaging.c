@@ -9,6 +9,10 @@
  * is committed, and on any doubt it returns a status so that the pure-Python path (which raises the
  * precise StagedWriteError) takes over.
  *
+ * Each call that stages into another arena than the one that staged last (the shared staging clock,
+ * CTX_CLOCK) starts a run of this arena (`StagingArena.begin_run`), so writes of arenas applied together
+ * keep their true staging order.
+ *
  * The arena's arrays are reached through raw addresses in an int64 context array owned by BlockTables
  * (see block_tables.py, `_context`), refreshed through `_refresh_context` whenever the arena's
  * `generation` says its arrays moved (growth, or a new slot lent by a GPU backend after an apply).
@@ -30,7 +34,11 @@ enum {
     CTX_COUNTS_TABLE = 8, /* table index of num_blocks' [max_num_reqs, num_groups] view, or -1 */
     CTX_STAMPS = 9,       /* int64 [num_tables, max_num_reqs]: epoch of the last staged write per (table, row) */
     CTX_EPOCH = 10,       /* the current batch's epoch: a stamp equal to it means "already written" */
-    CTX_GROUP0 = 11,      /* per group: k, width, max_id */
+    CTX_CLOCK = 11,       /* int64 [2]: the staging clock shared by every arena (staging.STAGE_CLOCK) */
+    CTX_ARENA_UID = 12,   /* this arena's uid on that clock */
+    CTX_NUM_BLOCKS_APPLIED = 13, /* int32 [num_groups, max_num_reqs]: a row's counts before its first
+                                  * change in this batch, i.e. as of the last apply (for clears) */
+    CTX_GROUP0 = 14,      /* per group: k, width, max_id */
 };
 
 #define STATUS_GROW 1     /* not enough room in the arena: grow it and call again */
@@ -96,7 +104,7 @@ static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *
         const Py_ssize_t v0 = v1;
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = items[i];
-            if (!PyLong_Check(item))
+            if (!PyLong_CheckExact(item)) /* bools, int subclasses, numpy scalars: the Python path decides */
                 return STATUS_FALLBACK;
             long long b = PyLong_AsLongLongAndOverflow(item, &overflow);
             if (overflow || b < 0 || b > max_id) {
@@ -142,6 +150,11 @@ static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *
             continue;
         int64_t *stamp = stamps + table * max_reqs + req;
         overlapped |= *stamp == epoch;
+        if (g == num_groups && *stamp != epoch) { /* first change of the row's counts in this batch */
+            int32_t *applied = (int32_t *)(intptr_t)ctx[CTX_NUM_BLOCKS_APPLIED];
+            for (Py_ssize_t gg = 0; gg < num_groups; gg++)
+                applied[gg * max_reqs + req] = num_blocks[gg * max_reqs + req];
+        }
         *stamp = epoch;
     }
     for (Py_ssize_t g = 0; g < num_groups; g++)
@@ -154,7 +167,7 @@ static int stage_core(const int64_t *ctx, Py_ssize_t w, Py_ssize_t v, PyObject *
 }
 
 static PyObject *s_arena, *s_context_addr, *s_generation, *s_num_writes, *s_num_values, *s_may_overlap,
-    *s_refresh, *s_python_path;
+    *s_refresh, *s_python_path, *s_begin_run;
 
 static int get_ssize(PyObject *obj, PyObject *name, Py_ssize_t *out) {
     PyObject *value = PyObject_GetAttr(obj, name);
@@ -208,6 +221,13 @@ static PyObject *append_block_ids(PyObject *self, PyObject *const *args, Py_ssiz
         if (status < 0)
             goto done;
         if (status == 0) {
+            if (w1 != w && ((const int64_t *)(intptr_t)ctx[CTX_CLOCK])[0] != ctx[CTX_ARENA_UID]) {
+                /* another arena staged last: these writes start a run (recorded at the current num_writes) */
+                PyObject *r = PyObject_CallMethodNoArgs(arena, s_begin_run);
+                if (r == NULL)
+                    goto done;
+                Py_DECREF(r);
+            }
             if (w1 != w) {
                 if (set_ssize(arena, s_num_writes, w1) < 0 || set_ssize(arena, s_num_values, v1) < 0 ||
                     (overlapped && PyObject_SetAttr(arena, s_may_overlap, Py_True) < 0))
@@ -341,8 +361,9 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
     s_may_overlap = PyUnicode_InternFromString("may_overlap");
     s_refresh = PyUnicode_InternFromString("_refresh_context");
     s_python_path = PyUnicode_InternFromString("_append_block_ids_python");
+    s_begin_run = PyUnicode_InternFromString("begin_run");
     if (!s_arena || !s_context_addr || !s_generation || !s_num_writes || !s_num_values ||
-        !s_may_overlap || !s_refresh || !s_python_path)
+        !s_may_overlap || !s_refresh || !s_python_path || !s_begin_run)
         return NULL;
     return PyModule_Create(&module);
 }

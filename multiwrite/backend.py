@@ -153,6 +153,20 @@ class Backend:
         Called once per `FusedStagedWriter.apply`. GPU backends enqueue their work on the current stream
         and return without synchronizing; everything they read from `batches` must be consumed (copied or
         guarded) before returning.
+
+        Failure contract: a backend that cannot finish raises any `Exception` (it need not undo what it
+        wrote). The writer then raises `BackendError` naming this backend and the tables, with that
+        exception as its `__cause__`, and drops nothing: every write of the call stays staged (a
+        `BlockTables` keeps its host `num_blocks` as staged). Writes are assignments, so the next apply
+        rewrites them all in staging order and the tables, and host and device `num_blocks`, end exactly
+        as if the first apply had succeeded. A backend must therefore leave the `StagingBuffers` it lent
+        usable after raising (the arena stages on into them), must not keep `batches` beyond the call,
+        and must not raise after having left a table in a state a plain rewrite cannot fix. Exceptions
+        that are not `Exception`s (`KeyboardInterrupt`, `SystemExit`) reach the caller as they are, the
+        writes staged as well.
+
+        Thread safety: different writers may call one backend instance from different threads at once
+        (one per thread, each with its own tables); shared caches must stay correct under that.
         """
         raise NotImplementedError
 

@@ -12,11 +12,16 @@ from multiwrite.backend import Backend
 from multiwrite.capture import refuse_capture
 from multiwrite.errors import StagedWriteError
 from multiwrite.staging import (
+    _CLOCK,
+    _INT32_MAX,
     META_COLUMNS,
+    STAGE_CLOCK,
     StagedWriteTensor,
     StagingArena,
     _checked_values,
+    check_device,
     expand_kernel_blocks,
+    table_layout,
 )
 from multiwrite.writer import FusedStagedWriter
 
@@ -28,7 +33,12 @@ except ImportError:  # pragma: no cover - depends on the install
 _META_BYTES = META_COLUMNS * 4  # one int32 metadata row
 # Slots of the compiled path's int64 context, as the CTX_* enum of multiwrite/_cstaging.c.
 (_CTX_META, _CTX_META_CAP, _CTX_VALUES, _CTX_VALUES_CAP, _CTX_NUM_BLOCKS, _CTX_MAX_REQS, _CTX_GROUPS,
- _CTX_GENERATION, _CTX_COUNTS_TABLE, _CTX_STAMPS, _CTX_EPOCH, _CTX_GROUP0) = range(12)  # fmt: skip
+ _CTX_GENERATION, _CTX_COUNTS_TABLE, _CTX_STAMPS, _CTX_EPOCH, _CTX_CLOCK, _CTX_ARENA_UID,
+ _CTX_NUM_BLOCKS_APPLIED, _CTX_GROUP0) = range(15)  # fmt: skip
+_FIXED = (
+    "a BlockTables' tables cannot be replaced or resized: every group's table and num_blocks share one "
+    "allocation; build a new BlockTables with the new sizes"
+)
 
 
 class BlockTables:
@@ -54,12 +64,22 @@ class BlockTables:
             more write, applied by the same backend call (the same kernel launch on a GPU).
 
     `block_tables[g]` gives group `g`'s table; staging or clearing through it directly bypasses the
-    `num_blocks` bookkeeping, so use `append_block_ids` and `clear_staged_writes` here. Resize tables
-    only by replacing `.tensor`. Not thread-safe: one thread at a time.
+    `num_blocks` bookkeeping, so use `append_block_ids` and `clear_staged_writes` here.
+
+    The tables cannot be resized: every group's table and `num_blocks_device` are views of one
+    allocation. Replacing `block_tables[g].tensor` raises `StagedWriteError`; a `resize_` or `set_` in
+    place of one of them is refused at the next apply (`StagedWriteError`, before anything is written,
+    the staged writes kept). To grow, build a new `BlockTables`.
+
+    Not thread-safe: one thread at a time per object; distinct objects may be used from distinct threads
+    at once (see the README).
 
     Raises:
         StagedWriteError: list lengths that differ from the number of groups, a block size not divisible
-            by its kernel block size, sizes that are not positive integers.
+            by its kernel block size, sizes that are not positive integers, a row width or row count of
+            2**31 or more (rows, starts and lengths travel as int32).
+        BackendUnavailableError: torch cannot allocate on `device`, or no backend can run there (the
+            forced one cannot); raised before allocating.
     """
 
     def __init__(
@@ -104,6 +124,18 @@ class BlockTables:
             self.kernel_blocks_per_block.append(bs // kbs)
         widths = [m * k for m, k in zip(self.max_num_blocks_per_group, self.kernel_blocks_per_block)]
         R = self.max_num_reqs
+        for g, w in enumerate(widths):
+            if w > _INT32_MAX:
+                raise StagedWriteError(
+                    f"BlockTables: group {g} row width {self.max_num_blocks_per_group[g]} blocks x "
+                    f"{self.kernel_blocks_per_block[g]} kernel blocks = {w} is past 2**31 - 1"
+                )
+        if R > _INT32_MAX:
+            raise StagedWriteError(f"BlockTables: max_num_reqs {R} is past 2**31 - 1")
+        # The device and the backend first: a device torch cannot use (or no backend for it) raises
+        # BackendUnavailableError before anything is allocated.
+        device = check_device(device, "BlockTables")
+        self._writer = FusedStagedWriter(device, backend)
         # One allocation holds every table and num_blocks, so a CPU backend scatters into all of them at once.
         storage = torch.zeros(R * sum(widths) + num_groups * R, dtype=torch.int32, device=device)
         offsets = np.cumsum([0, *(R * w for w in widths)]).tolist()
@@ -119,7 +151,18 @@ class BlockTables:
         self._num_blocks_staged = StagedWriteTensor._attach(self.num_blocks_device.t(), "num_blocks", 1, self._arena)
         self._num_blocks_view = self.num_blocks.data
         self._all = [*self.block_tables, self._num_blocks_staged]
-        self._writer = FusedStagedWriter(self.block_tables[0].device, backend)
+        for t in self._all:
+            t._fixed = _FIXED
+        self._arena.frozen = [
+            (t, table_layout(t), f"{what} of a BlockTables")
+            for t, what in [(g.tensor, g.name) for g in self.block_tables]
+            + [(self._num_blocks_staged._table, "num_blocks"), (self.num_blocks_device, "num_blocks")]
+        ]
+        # What clear_staged_writes restores, with no read of num_blocks_device (a stream may still be
+        # writing it): column `req` holds the request's counts as of the last successful apply, saved when
+        # the batch first changes them (the row's num_blocks stamp is then this batch's epoch). Nothing to
+        # copy at apply time.
+        self._num_blocks_applied = self.num_blocks.copy()
         self._widths = widths
         # Per group: k, row width, largest manager id whose kernel ids b*k + k - 1 fit int32.
         self._groups = [(k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(self.kernel_blocks_per_block, widths)]
@@ -137,6 +180,9 @@ class BlockTables:
         ctx[_CTX_COUNTS_TABLE] = self._counts_table
         ctx[_CTX_STAMPS] = self._stamps.ctypes.data
         ctx[_CTX_EPOCH] = 1
+        ctx[_CTX_CLOCK] = STAGE_CLOCK.ctypes.data
+        ctx[_CTX_ARENA_UID] = self._arena.uid
+        ctx[_CTX_NUM_BLOCKS_APPLIED] = self._num_blocks_applied.ctypes.data
         ctx[_CTX_GROUP0:] = np.asarray(self._groups, dtype=np.int64).reshape(-1)  # per group: k, width, max id
         self._context_addr = ctx.ctypes.data
         self._context_view = ctx.data  # int64 stores without numpy scalar overhead
@@ -196,7 +242,13 @@ class BlockTables:
         """`append_block_ids` without the compiled path: same checks, same staged data, precise errors."""
         groups = self._groups
         if not isinstance(new_block_ids, Sequence):
-            new_block_ids = list(new_block_ids)  # a generator of per-group lists
+            try:
+                new_block_ids = list(new_block_ids)  # a generator of per-group lists
+            except TypeError:
+                raise StagedWriteError(
+                    f"append_block_ids: request row {req_index!r}: new_block_ids must be one sequence of block "
+                    f"ids per KV-cache group, got {type(new_block_ids).__name__}"
+                ) from None
         if len(new_block_ids) != len(groups):
             raise StagedWriteError(
                 f"append_block_ids: request row {req_index}: got block ids for {len(new_block_ids)} KV-cache "
@@ -227,7 +279,7 @@ class BlockTables:
         epoch = self._context_view[_CTX_EPOCH]
         R = self.max_num_reqs
         counts = []
-        g = start = -1
+        g, start = 0, None  # for errors: the group at hand, its start once known
         try:
             for g, ids in enumerate(new_block_ids):
                 n = len(ids)
@@ -243,6 +295,11 @@ class BlockTables:
                     if v + cells > arena.values.shape[0]:
                         arena.reserve(len(groups), v - v0 + cells)
                     if n <= 8 and type(ids) in (list, tuple):
+                        if bool in map(type, ids):
+                            raise StagedWriteError(
+                                f"{self.block_tables[g]._describe(req, start, n)}: a bool block id: "
+                                "stage integers, not bools"
+                            )
                         low, high = min(ids), max(ids)
                         if low < 0 or high > max_id:
                             self._raise_bad_id(g, req, start, n, low if low < 0 else high)
@@ -253,6 +310,7 @@ class BlockTables:
                         else:
                             i = v
                             for b in ids:
+                                b = operator.index(b)  # a numpy scalar times k would wrap in its own dtype
                                 for j in range(b * k, b * k + k):
                                     flat[i] = j
                                     i += 1
@@ -280,8 +338,13 @@ class BlockTables:
             if isinstance(exc, StagedWriteError):
                 raise
             describe = self._describer(g, req, start)
-            _checked_values(new_block_ids[g], np.int32, describe)  # raises, naming the offending value
-            raise StagedWriteError(f"{describe(len(new_block_ids[g]))}: {exc}") from None
+            ids = new_block_ids[g]
+            if not hasattr(ids, "__len__"):
+                raise StagedWriteError(
+                    f"{describe(None)}: the block ids of group {g} must be a sequence, got {type(ids).__name__}"
+                ) from None
+            _checked_values(ids, np.int32, describe)  # raises, naming the offending value
+            raise StagedWriteError(f"{describe(len(ids))}: {exc}") from None
         if w == w0:
             return
         counts_table = self._counts_table
@@ -299,7 +362,11 @@ class BlockTables:
         v += len(groups)
         if stamps[counts_table * R + req] == epoch:
             arena.may_overlap = True
+        else:  # the row's counts change for the first time in this batch: keep them for clears
+            self._num_blocks_applied[:, req] = self.num_blocks[:, req]
         stamps[counts_table * R + req] = epoch
+        if _CLOCK[0] != arena.uid:
+            arena.begin_run()  # another arena staged last: these writes start a run of this one
         arena.num_writes = w
         arena.num_values = v
         for i in range(0, len(counts), 2):
@@ -318,30 +385,41 @@ class BlockTables:
             )
         )
 
-    def _describer(self, g: int, req: int, start: int) -> Callable[[int], str]:
+    def _describer(self, g: int, req: int, start: int | None) -> Callable[[int | None], str]:
         table = self.block_tables[g]
+        if start is None:  # failed before its start was known: name only what the user gave
+            return lambda n: (
+                f"append_block_ids: request row {req}, group {g}" + ("" if n is None else f", {n} block ids")
+            )
         return lambda n: table._describe(req, start, n)
 
     def apply_staged_writes(self) -> None:
         """Apply every group's staged writes and the new `num_blocks` in one `FusedStagedWriter` call.
 
         On a GPU this enqueues one kernel launch on the current stream and returns without waiting.
+
+        Raises:
+            StagedWriteError: a table was resized or `set_` in place (see the class docstring); nothing
+                was written, the staged writes stay staged.
+            BackendError: the backend failed; every staged write (the `num_blocks` row included) stays
+                staged and `num_blocks` keeps the staged counts, so calling this again lands them all and
+                host and device `num_blocks` agree after it (see `Backend.apply`).
         """
         self._writer.apply(self._all)
         self._context_view[_CTX_EPOCH] += 1  # a new batch: every (table, row) is free again
 
     def clear_staged_writes(self) -> None:
-        """Drop every staged write and restore `num_blocks` to its value at the last apply.
+        """Drop every staged write and restore `num_blocks` to its value at the last successful
+        `apply_staged_writes()`.
 
-        On a GPU this reads `num_blocks_device` back (a synchronizing copy).
-
-        Raises:
-            GraphCaptureError: the current CUDA stream is capturing a graph; nothing is dropped.
+        Reads no device state (no copy back, no synchronization): each request's counts as of the last
+        apply are kept on the host when a batch first changes them, so this is right even while an apply
+        is still running on another stream.
         """
-        refuse_capture(self.device, "BlockTables.clear_staged_writes")
+        changed = np.flatnonzero(self._stamps[self._counts_table] == self._context_view[_CTX_EPOCH])
+        self.num_blocks[:, changed] = self._num_blocks_applied[:, changed]
         self._arena.clear()
         self._context_view[_CTX_EPOCH] += 1
-        np.copyto(self.num_blocks, self.num_blocks_device.cpu().numpy())
 
     def __repr__(self) -> str:
         return (

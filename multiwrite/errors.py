@@ -7,8 +7,9 @@ class StagedWriteError(ValueError):
     """A staged write that cannot be applied to its table.
 
     Raised at stage time (a row outside the table, a negative start, a write past the row's width, a value
-    the table's dtype cannot hold, a wrong number of KV-cache groups) or at apply time (a table on another
-    device than the writer's, a table that shrank below its staged writes). The message names the table,
+    the table's dtype cannot hold or a bool, a wrong number of KV-cache groups) or at apply time (a table
+    on another device than the writer's, a table that shrank below its staged writes, a `BlockTables`
+    group resized in place, tables of different dtypes over the same memory). The message names the table,
     row, start, length and shape involved. When it is raised nothing was staged or written, and every
     write staged before stays staged.
     """
@@ -35,3 +36,24 @@ class ForkedCudaError(RuntimeError):
 
     Start worker processes with the 'spawn' or 'forkserver' start method, or use CPU tables in the child.
     """
+
+
+class BackendError(RuntimeError):
+    """A backend failed while applying staged writes (`Backend.apply` raised).
+
+    The message names the backend and the tables; the backend's own exception is the `__cause__`.
+    Nothing staged was dropped: every write of the failed apply is still staged, so calling apply again
+    (after fixing the cause) lands them all, in staging order, exactly once more; the tables may hold
+    part of them meanwhile (a backend may fail after writing some tables). `BlockTables` keeps its host
+    `num_blocks` as staged, and its staged `num_blocks` row travels with the retry, so host and device
+    counts agree after it.
+
+    Attributes:
+        backend: the `Backend` that failed.
+        tables: names of the tables of the failed apply, in argument order.
+    """
+
+    def __init__(self, message: str, backend: object = None, tables: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.backend = backend
+        self.tables = tables

@@ -10,6 +10,8 @@ KV-cache groups of a `BlockTables` are packed in staging order, ready to hand to
 
 from __future__ import annotations
 
+import itertools
+import numbers
 import operator
 import struct
 from collections.abc import Iterable, Sequence
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from multiwrite.errors import StagedWriteError
+from multiwrite.errors import BackendUnavailableError, StagedWriteError
 
 # Columns of the per-write metadata rows (int32), the layout every backend receives.
 META_TABLE = 0  #: index of the target table within the batch
@@ -48,6 +50,62 @@ _TENSOR_VALUE_DTYPES = {
     torch.float32,
     torch.float64,
 }
+
+
+#: The staging clock every arena shares (and the compiled path, through its address): `[uid of the arena
+#: that staged last, number of runs started]`. A run is a stretch of consecutive writes into one arena;
+#: each arena records `(clock, first write)` when one starts, so the writes of several arenas can be put
+#: back in true staging order when they are applied together (`staging_order`). Staging into the arena
+#: that staged last costs one compare.
+STAGE_CLOCK = np.zeros(2, dtype=np.int64)
+_CLOCK = STAGE_CLOCK.data  # int64 loads and stores without numpy scalars
+_arena_uids = itertools.count(1)
+
+
+def table_layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """`(data_ptr, shape, strides)` of a tensor: what a resize or `set_` in place changes."""
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
+def layout_version(t: torch.Tensor) -> int:
+    """`t._version` (bumped by every in-place op on `t`'s storage, `resize_` and `set_` included), or -1
+    for inference tensors, which do not track it."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def device_unavailable_reason(device: torch.device) -> str | None:
+    """Why torch cannot allocate on `device` at all (a CPU-only build asked for `"cuda"`, an index past
+    the device count), or None. Checked before allocating, so that the error is
+    `BackendUnavailableError` and not torch's own assertion."""
+    module = getattr(torch, device.type, None) if device.type not in ("cpu", "meta") else None
+    if module is None or not hasattr(module, "is_available"):
+        return None
+    if not module.is_available():
+        return f"torch {torch.__version__} reports no {device.type} device on this machine"
+    count = getattr(module, "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        return f"{device} does not exist: torch reports {count()} {device.type} device(s)"
+    return None
+
+
+def check_device(device: torch.device | str, what: str) -> torch.device:
+    """`torch.device(device)`, or `BackendUnavailableError` naming `what` when torch cannot allocate there."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise BackendUnavailableError(f"{what}: device {device!r} is not a torch device ({exc})") from None
+    reason = device_unavailable_reason(device)
+    if reason is not None:
+        raise BackendUnavailableError(f"{what}: cannot place tables on {device}: {reason}")
+    return device
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """`(4, 8)`, and `(5,)` for a 1-D shape."""
+    return str(tuple(shape))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -115,6 +173,9 @@ class StagingArena:
         "meta_addr",
         "values_addr",
         "stamped",
+        "uid",
+        "runs",
+        "frozen",
     )
 
     #: `pack_meta(meta_bytes, write_index * 20, table, row, start, length, value_offset)` stores one
@@ -138,6 +199,11 @@ class StagingArena:
         # True when an owner (BlockTables) tracks overlaps of its own writes outside `rows_seen`: any
         # other write into the arena is then assumed to overlap (correct, merely slower to apply).
         self.stamped = False
+        self.uid = next(_arena_uids)  # this arena's name on the staging clock
+        self.runs: list[tuple[int, int]] = []  # (clock, first write index) of each run staged now
+        # Set by an owner whose tables must never be resized (BlockTables): (tensor, its `table_layout`,
+        # what to call it) of each; checked by the writer at every apply that sees a layout change.
+        self.frozen: list[tuple[torch.Tensor, tuple, str]] | None = None
         self.meta_addr = self.meta.ctypes.data
         self.values_addr = self.values.ctypes.data
 
@@ -207,9 +273,18 @@ class StagingArena:
                 self.values[v0 : v0 + length] = values
         self.commit(table, row, start, length, v0)
 
+    def begin_run(self) -> None:
+        """The next write starts a run of this arena on the staging clock (another arena staged last)."""
+        clock = _CLOCK[1] + 1
+        _CLOCK[1] = clock
+        _CLOCK[0] = self.uid
+        self.runs.append((clock, self.num_writes))
+
     def commit(self, table: int, row: int, start: int, length: int, value_offset: int) -> None:
         """Record the metadata of a write whose values already sit at `values[value_offset:]`."""
         self.reserve(1, 0)
+        if _CLOCK[0] != self.uid:
+            self.begin_run()
         self.pack_meta(self.meta_bytes, self.num_writes * META_COLUMNS * 4, table, row, start, length, value_offset)
         key = row << 16 | table
         if key in self.rows_seen or self.stamped:
@@ -231,6 +306,9 @@ class StagingArena:
         self.num_values = 0
         self.may_overlap = False
         self.rows_seen.clear()
+        self.runs.clear()
+        if _CLOCK[0] == self.uid:  # the next write starts a run of its own
+            _CLOCK[0] = 0
 
     def drop_tables(self, tables: Sequence[int]) -> None:
         """Drop the staged writes of some tables, keeping the others' in staging order."""
@@ -240,6 +318,9 @@ class StagingArena:
         meta = self.meta[: self.num_writes]
         keep = ~np.isin(meta[:, META_TABLE], np.asarray(tables, dtype=np.int32))
         kept = meta[keep]
+        self.runs = remap_runs(self.runs, keep)
+        if _CLOCK[0] == self.uid and not self.runs:
+            _CLOCK[0] = 0
         lengths = kept[:, META_LENGTH].astype(np.int64)
         new_offsets = np.cumsum(lengths) - lengths
         gather = np.repeat(kept[:, META_VALUE_OFFSET].astype(np.int64) - new_offsets, lengths) + np.arange(
@@ -255,12 +336,25 @@ class StagingArena:
         self.may_overlap = len(self.rows_seen) < kept.shape[0]
 
 
+def remap_runs(runs: list[tuple[int, int]], keep: np.ndarray) -> list[tuple[int, int]]:
+    """The runs `(clock, first write)` of an arena's writes after keeping only the writes where `keep`
+    (bool `[num_writes]`) is true; runs left with no writes are dropped."""
+    if not runs:
+        return []
+    before = np.concatenate(([0], np.cumsum(keep)))
+    moved = [(clock, int(before[first])) for clock, first in runs]
+    n = int(before[-1])  # a run left with no writes starts where the next one does, or at the end
+    return [r for i, r in enumerate(moved) if r[1] < n and (i + 1 == len(moved) or moved[i + 1][1] != r[1])]
+
+
 def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> tuple[Any, int]:
     """Validate staged values against the table dtype; return (something numpy assigns from, length).
 
     `describe(length)` builds the "which table, row, start, length, shape" part of an error message.
     """
     if isinstance(values, torch.Tensor):
+        if values.dtype == torch.bool:
+            raise StagedWriteError(f"{describe(values.numel())}: values of dtype torch.bool: stage numbers, not bools")
         if values.device.type != "cpu":
             raise StagedWriteError(
                 f"{describe(values.numel())}: values are on {values.device}; stage host values "
@@ -279,6 +373,8 @@ def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> t
             raise StagedWriteError(f"{describe(values.size)}: values must be 1-D, got shape {values.shape}")
         n = values.shape[0]
         kind = values.dtype.kind
+        if kind == "b":
+            raise StagedWriteError(f"{describe(n)}: values of dtype bool: stage numbers, not bools")
         if np_dtype is np.float32:
             if kind not in "biuf":
                 raise StagedWriteError(f"{describe(n)}: values of dtype {values.dtype} into a float32 table")
@@ -306,10 +402,17 @@ def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> t
     n = len(values)
     if not n:
         return values, 0
+    if bool in map(type, values) or np.bool_ in map(type, values):
+        raise StagedWriteError(f"{describe(n)}: a bool value: stage numbers, not bools")
     if np_dtype is np.float32:
         try:
-            arr = np.asarray(values, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
+            arr = np.asarray(values)
+            if arr.dtype.kind == "O" and all(isinstance(v, numbers.Real) for v in values):
+                arr = arr.astype(np.float64)  # Python ints past int64: as floats (or OverflowError)
+            if arr.dtype.kind not in "iuf" or arr.ndim != 1:
+                raise TypeError(f"got {', '.join(sorted({type(v).__name__ for v in values}))}")
+            arr = arr.astype(np.float64, copy=False)
+        except (TypeError, ValueError, OverflowError) as exc:
             raise StagedWriteError(f"{describe(n)}: values are not numbers ({exc})") from None
         _check_float32_range(arr, describe)
         return arr, n
@@ -317,7 +420,7 @@ def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> t
         total = sum(values)
         lo_v = min(values)
         hi_v = max(values)
-    except TypeError as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise StagedWriteError(f"{describe(n)}: values are not integers ({exc})") from None
     if not isinstance(total, (int, np.integer)):
         raise StagedWriteError(
@@ -348,13 +451,15 @@ class StagedWriteTensor:
         kernel_blocks_per_block: `k`; each staged value `v` is written as the `k` values `v * k + j`,
             `j = 0..k-1` (a KV-cache group whose block size is `k` times the attention kernel's).
 
-    `.tensor` starts zero-filled. Staging never touches it; only `apply_write()` or a
-    `FusedStagedWriter.apply` does.
+    `.tensor` starts zero-filled. Staging never touches it; only an apply does
+    (`FusedStagedWriter.apply`, or `multiwrite.apply_writes` for the shared writer of the device).
 
     Not thread-safe: stage and apply from one thread at a time (staging is a hot path with no lock).
 
     Raises:
         StagedWriteError: unsupported dtype, a size that is not 1-D or 2-D, `kernel_blocks_per_block < 1`.
+        BackendUnavailableError: torch cannot allocate on `device` (e.g. `"cuda"` on a CPU-only build);
+            raised before allocating.
     """
 
     def __init__(
@@ -373,6 +478,7 @@ class StagedWriteTensor:
             raise StagedWriteError(f"{name}: size must be integers (rows, columns) or n, got {size!r}") from None
         if len(shape) not in (1, 2) or min(shape) < 0 or max(shape) > _INT32_MAX:
             raise StagedWriteError(f"{name}: size must be (rows, columns) or n, each in [0, 2**31), got {size!r}")
+        device = check_device(device, name)
         tensor = torch.zeros(shape, dtype=dtype, device=device)
         self._init(tensor, name, kernel_blocks_per_block, StagingArena(SUPPORTED_DTYPES[dtype]))
 
@@ -399,9 +505,10 @@ class StagedWriteTensor:
         self.name = name
         self.kernel_blocks_per_block = int(k)
         self._user_tensor = tensor
-        self._table = tensor if tensor.dim() == 2 else tensor.view(-1, 1)
+        self._table = tensor if tensor.dim() == 2 else tensor.unsqueeze(1)
         self._rows, self._cols = self._table.shape
         self._np_dtype = SUPPORTED_DTYPES[tensor.dtype]
+        self._fixed: str | None = None  # why `.tensor` cannot be replaced (set by BlockTables), or None
         self._arena = arena
         self._index = arena.add_target(self)
 
@@ -410,9 +517,15 @@ class StagedWriteTensor:
     def tensor(self) -> torch.Tensor:
         """The device tensor the writes land in, `[rows, columns]` (or `[n]` when built from an int).
 
-        It may be replaced (`t.tensor = new`, e.g. after growing `max_num_reqs`): the new tensor must have
-        the same dtype and number of dimensions, and every staged write must fit its shape; backends see
-        the new storage at the next apply. Raises `StagedWriteError` otherwise, keeping the old tensor.
+        A standalone table may be replaced (`t.tensor = new`, e.g. after growing `max_num_reqs`) or
+        resized in place (`t.tensor.resize_(...)`, `set_`): the new tensor must have the same dtype and
+        number of dimensions, and every staged write must fit its shape; staging checks the shape
+        installed now, and every apply re-checks the staged writes against it (shrunk or grown) before
+        writing anything. Replacing raises `StagedWriteError` when that fails, keeping the old tensor.
+
+        A group of a `BlockTables` cannot be replaced (`StagedWriteError`): its tables and `num_blocks`
+        share one allocation. A resize or `set_` in place of one is refused at the next apply, before
+        anything is written, with the staged writes kept.
         """
         return self._user_tensor
 
@@ -420,6 +533,8 @@ class StagedWriteTensor:
     def tensor(self, new: torch.Tensor) -> None:
         # Replacing the table (for example after growing max_num_reqs) is allowed; writes already staged
         # must still fit, and the backends notice the new storage and never write through a stale pointer.
+        if self._fixed is not None:
+            raise StagedWriteError(f"{self.name} (shape {shape_text(self.shape)}): {self._fixed}")
         if not isinstance(new, torch.Tensor):
             raise StagedWriteError(f"{self.name}: replacement must be a torch.Tensor, got {type(new).__name__}")
         old = self._table
@@ -428,9 +543,9 @@ class StagedWriteTensor:
                 f"{self.name}: replacement tensor must be {self._user_tensor.dim()}-D {dtype_name(old.dtype)}, "
                 f"got {new.dim()}-D {dtype_name(new.dtype)}"
             )
-        table = new if new.dim() == 2 else new.view(-1, 1)
+        table = new if new.dim() == 2 else new.unsqueeze(1)
         if table.numel() and max(table.shape) > _INT32_MAX:
-            raise StagedWriteError(f"{self.name}: replacement shape {tuple(new.shape)} has a size past 2**31 - 1")
+            raise StagedWriteError(f"{self.name}: replacement shape {shape_text(new.shape)} has a size past 2**31 - 1")
         self.check_staged_fit((table.shape[0], table.shape[1]))
         self._user_tensor, self._table = new, table
         self._rows, self._cols = table.shape
@@ -456,11 +571,24 @@ class StagedWriteTensor:
         """Writes staged for this table and not yet applied (empty writes count too)."""
         return self._arena.count_for(self._index)
 
-    def _describe(self, row: Any, start: Any, length: int) -> str:
-        return (
-            f"{self.name} (shape {tuple(self._table.shape)}, {dtype_name(self._table.dtype)}): "
-            f"write at row {row}, start {start}, length {length}"
+    def _current_table(self) -> torch.Tensor:
+        """The 2-D table as installed now. A 1-D tensor is staged through a `[n, 1]` view of it: after a
+        `resize_` or `set_` of the 1-D tensor in place, that view is taken again."""
+        table, user = self._table, self._user_tensor
+        if table is not user and (
+            table.shape[0] != user.shape[0] or table.data_ptr() != user.data_ptr() or table.stride(0) != user.stride(0)
+        ):
+            table = self._table = user.unsqueeze(1)
+            self._arena.layout_version += 1
+        return table
+
+    def _describe(self, row: Any, start: Any, length: Any = None) -> str:
+        """`name (shape (r, c), dtype): write at row R, start S[, length L]`: only values the user gave."""
+        text = (
+            f"{self.name} (shape {shape_text(self._user_tensor.shape)}, {dtype_name(self._table.dtype)}): "
+            f"write at row {row!r}, start {start!r}"
         )
+        return text if length is None else f"{text}, length {length}"
 
     # -- staging -----------------------------------------------------------------------------------
     def stage_write(self, index: int, start: int, values: Any) -> None:
@@ -478,27 +606,32 @@ class StagedWriteTensor:
         """
         if type(index) is not int or type(start) is not int:
             if index.__class__ is bool or start.__class__ is bool:
-                raise StagedWriteError(f"{self._describe(index, start, -1)}: row and start must be integers, not bools")
+                raise StagedWriteError(f"{self._describe(index, start)}: row and start must be integers, not bools")
             try:
                 index, start = operator.index(index), operator.index(start)
             except TypeError:
-                raise StagedWriteError(f"{self._describe(index, start, -1)}: row and start must be integers") from None
-        # Short int lists are checked value by value by the memoryview stores; anything else here.
+                raise StagedWriteError(f"{self._describe(index, start)}: row and start must be integers") from None
+        # Short int lists are checked value by value by the memoryview stores (bools here); anything else
+        # by _checked_values.
         fast = type(values) in (list, tuple) and len(values) <= 8 and self._np_dtype is not np.float32
         if fast:
             n = len(values)
+            if bool in map(type, values):
+                raise StagedWriteError(f"{self._describe(index, start, n)}: a bool value: stage numbers, not bools")
         else:
             values, n = _checked_values(values, self._np_dtype, lambda n: self._describe(index, start, n))
-        if self._table.shape != (self._rows, self._cols):  # resized in place: check against the new shape
-            self._rows, self._cols = self._table.shape
-        if not 0 <= index < self._rows:
-            raise StagedWriteError(f"{self._describe(index, start, n)}: row {index} is outside [0, {self._rows})")
+        # The shape installed now (resized or set_ in place since: checked against the new one). The
+        # writer re-checks every staged write against it at apply.
+        table = self._table if self._table is self._user_tensor else self._current_table()
+        rows, cols = table.shape
+        if not 0 <= index < rows:
+            raise StagedWriteError(f"{self._describe(index, start, n)}: row {index} is outside [0, {rows})")
         if start < 0:
             raise StagedWriteError(f"{self._describe(index, start, n)}: start is negative")
         k = self.kernel_blocks_per_block
-        if start + n * k > self._cols:
+        if start + n * k > cols:
             raise StagedWriteError(
-                f"{self._describe(index, start, n)}: ends at column {start + n * k} past the row width {self._cols}"
+                f"{self._describe(index, start, n)}: ends at column {start + n * k} past the row width {cols}"
                 + (f" ({n} values x {k} kernel blocks each)" if k > 1 else "")
             )
         try:
@@ -523,18 +656,6 @@ class StagedWriteTensor:
         """
         self.stage_write(index, 0, (value,))
 
-    def apply_write(self) -> None:
-        """Apply this table's staged writes now, through the auto-selected backend of its device.
-
-        Raises:
-            BackendUnavailableError: no backend can run on this device.
-        """
-        from multiwrite.writer import FusedStagedWriter
-
-        writer = FusedStagedWriter.default_for(self.device)
-        writer.apply([self])
-        writer.forget()  # the shared writer must not keep this table alive
-
     def clear_staged_writes(self) -> None:
         """Drop this table's staged writes without applying them."""
         if self.num_staged_writes:
@@ -552,7 +673,9 @@ class StagedWriteTensor:
         if bad.size:
             row, start, length = (int(x) for x in mine[bad[0], [META_ROW, META_START, META_LENGTH]])
             raise StagedWriteError(
-                f"{self._describe(row, start, length)}: staged for the old table, does not fit shape {shape}"
+                f"{self._describe(row, start, length)}: staged before the table was resized, does not fit "
+                f"shape {shape_text(shape if self._user_tensor.dim() == 2 else shape[:1])}; nothing was written "
+                "and every staged write stays staged"
             )
 
 
@@ -566,8 +689,11 @@ def _check_expanded_range(values: Any, k: int, np_dtype: type[np.generic], descr
     if np_dtype is np.float32:
         return
     lo, hi = _INT_LIMITS[np_dtype]
+    # Python ints: a numpy scalar times k would wrap around in its own dtype and pass the check.
     vmin, vmax = (
-        (int(values.min()), int(values.max())) if isinstance(values, np.ndarray) else (min(values), max(values))
+        (int(values.min()), int(values.max()))
+        if isinstance(values, np.ndarray)
+        else (operator.index(min(values)), operator.index(max(values)))
     )
     if vmin * k < lo or vmax * k + k - 1 > hi:
         bad = vmin if vmin * k < lo else vmax

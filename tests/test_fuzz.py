@@ -31,11 +31,6 @@ def test_fuzz_against_reference(backend):
     assert all(count > 0 for count in stats.values()), stats
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fixed by s8core (issue 8 item 5): tables over the same memory are applied in argument order, "
-    "not staging order (FusedStagedWriter.apply)",
-)
 def test_fuzz_with_engine_arguments(backend):
     """Iterators, a table listed twice, and two tables over the same memory in the apply arguments."""
     batches = min(fuzz_batches(backend), 2_000)

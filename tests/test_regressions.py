@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from multiwrite import BlockTables, FusedStagedWriter, StagedWriteError, StagedWriteTensor
+from multiwrite import BlockTables, FusedStagedWriter, StagedWriteError, StagedWriteTensor, apply_writes
 from multiwrite.reference import ReferenceBlockTables
 
 
@@ -144,7 +144,7 @@ def test_generator_of_groups_is_accepted(staging, backend):
 def test_applied_tables_are_not_kept_alive(backend):
     t = StagedWriteTensor((64, 64), torch.int32, backend.device)
     t.stage_write(0, 0, [1])
-    t.apply_write()
+    apply_writes(t)
     table = weakref.ref(t.tensor)
     del t
     gc.collect()
