@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 import multiwrite
-from multiwrite import bench, bench_variants
-from multiwrite.bench_report import CSV_COLUMNS, csv_rows, format_table, goal_lines, terminal_report
-from multiwrite.bench_run import BenchResult, BurstResult, ConfigResult, Stats, VariantResult
-from multiwrite.bench_variants import Mismatch, Snapshot, compare
+from multiwrite.bench import command as bench
+from multiwrite.bench import variants as bench_variants
+from multiwrite.bench.report import CSV_COLUMNS, csv_rows, format_table, goal_lines, terminal_report
+from multiwrite.bench.runner import BenchResult, BurstResult, ConfigResult, Stats, VariantResult
+from multiwrite.bench.variants import Mismatch, Snapshot, compare
 from multiwrite.cli import main
 from multiwrite.reference import ReferenceBlockTables
 
@@ -95,8 +96,10 @@ def test_bad_arguments_exit_2(extra, capsys):
 
 
 def test_warmup_that_leaves_no_step_exits_2(capsys):
-    assert main([*QUICK, "--steps", "10", "--warmup", "10"]) == 2
-    assert "--warmup" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([*QUICK, "--steps", "10", "--warmup", "10"])
+    assert exc.value.code == 2
+    assert "multiwrite bench: error: argument --warmup: 10 warm-up steps leave none" in capsys.readouterr().err
 
 
 def _no_run(*args, **kwargs):
@@ -201,7 +204,7 @@ def test_gpu_report_judges_the_gpu_goals():
 
 def test_gpu_plot_draws_both_floors(tmp_path):
     pytest.importorskip("matplotlib")
-    from multiwrite.bench_report import write_plot
+    from multiwrite.bench.plot import write_plot
 
     write_plot(_fake_gpu_result(), tmp_path / "gpu.png")
     assert (tmp_path / "gpu.png").stat().st_size > 0

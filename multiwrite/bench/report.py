@@ -1,16 +1,16 @@
 """What `multiwrite bench` prints and writes: the terminal tables, the goals of the project's performance
-anchors (BENCHMARKS.md), CSV and a plot."""
+anchors (BENCHMARKS.md), and CSV (the plot is in `bench.plot`)."""
 
 from __future__ import annotations
 
 import csv
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
-from multiwrite.bench_run import BenchResult, ConfigResult, Stats
+from multiwrite.bench.glossary import TERMS
+from multiwrite.bench.runner import BenchResult, ConfigResult, Stats
 
 VARIANT_ORDER = ("fused", "per-group", "naive")
 
@@ -71,12 +71,14 @@ def terminal_report(result: BenchResult) -> str:
         f"  multiwrite {env['multiwrite']}, torch {env['torch']}, triton {env['triton']}, numpy {env['numpy']}, "
         f"python {env['python']}; {result.timestamp}",
         f"  trace {result.trace}; {result.steps} steps per configuration, the first {result.warmup} warm-up",
-        "  times in microseconds: median (p99) over the measured steps with at least one write",
+        "  times in microseconds: median (p99) over the measured steps with at least one write; lower is better",
+        "terms:",
+        *(textwrap.fill(t, 110, initial_indent="  ", subsequent_indent="      ") for t in TERMS),
     ]
     if result.configs:
         floors = _floors(result)
         keys = [(c.config, str(c.concurrency)) for c in result.configs]
-        out += ["", "host time per step, staging + apply"]
+        out += ["", "host time per step, staging + apply (the figure the staging goals judge)"]
         out += format_table(
             ["config", "C", "steps", "writes/step", *VARIANT_ORDER],
             [
@@ -142,7 +144,13 @@ def terminal_report(result: BenchResult) -> str:
     else:
         n = sum(1 for c in result.configs for v in c.variants.values() if v.verified)
         out.append(f"verification: OK, all {n} variant runs" + (" and the burst" if b else "") + " equal the reference")
-    out += ["", "goals (BENCHMARKS.md)"] + [f"  {g}" for g in goal_lines(result)]
+    head = "goals (BENCHMARKS.md)"
+    if result.quick and not result.interpreted:
+        head += (
+            f": INDICATIVE ONLY: a smaller run ({result.steps} steps per configuration) than the default "
+            "`multiwrite bench` (without --quick) that the goals are judged on"
+        )
+    out += ["", head] + [f"  {g}" for g in goal_lines(result)]
     return "\n".join(out)
 
 
@@ -271,37 +279,3 @@ def write_csv(result: BenchResult, path: str | Path) -> None:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(csv_rows(result))
-
-
-def write_plot(result: BenchResult, path: str | Path) -> None:
-    """Grouped bars of median apply host time per variant and configuration (log scale), each floor drawn
-    as a horizontal line at its median over the configurations; saved to `path` (PNG).
-
-    Raises:
-        ImportError: matplotlib is missing (the `plot` extra), with the install command in the message.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(f"--plot needs matplotlib: pip install 'multiwrite[plot]' ({exc})") from None
-    configs = result.configs
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(configs) + 2), 4.5))
-    width = 0.8 / len(VARIANT_ORDER)
-    for i, name in enumerate(VARIANT_ORDER):
-        xs = [j + (i - (len(VARIANT_ORDER) - 1) / 2) * width for j in range(len(configs))]
-        ax.bar(xs, [c.variants[name].apply.median_us for c in configs], width, label=name)
-    for style, floor in zip(("-", "--"), _floors(result)):
-        level = float(np.median([c.variants[floor].apply.median_us for c in configs]))  # over configurations
-        ax.axhline(level, color="black", linestyle=style, linewidth=1, label=f"{floor} ({level:.1f} us)")
-    ax.set_xticks(range(len(configs)), [f"{c.config}\nC={c.concurrency}" for c in configs])
-    ax.set_yscale("log")
-    ax.set_ylabel("apply host time, median (us)")
-    env = result.env
-    ax.set_title(f"multiwrite {env['multiwrite']}: {result.backend} on {env['device_name']} ({result.timestamp[:10]})")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
