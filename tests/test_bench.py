@@ -208,3 +208,21 @@ def test_gpu_plot_draws_both_floors(tmp_path):
 
     write_plot(_fake_gpu_result(), tmp_path / "gpu.png")
     assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_a_burst_that_cannot_fit_in_memory_is_refused_before_the_run(monkeypatch, capsys):
+    from multiwrite import cli_args
+
+    monkeypatch.setattr(bench, "run_bench", _no_run)
+    monkeypatch.setattr(cli_args, "host_memory_available", lambda: 10**9)  # a machine with 1 GB free
+    assert main([*QUICK, "--burst-requests", "1", "--burst-ids", "30000000"]) == 2  # ids fit int32, not memory
+    err = capsys.readouterr().err
+    assert err.startswith("multiwrite bench: error: --burst-requests 1 --burst-ids 30000000 needs about ")
+    assert err.strip().endswith("1.0 GB is available: refused before the run")
+
+
+def test_a_quick_run_calls_its_goal_verdicts_indicative(capsys):
+    assert main([*QUICK, "--configs", "G3", "--concurrency", "40", "--burst-reps", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "goals (BENCHMARKS.md): INDICATIVE ONLY" in out
+    assert "terms:" in out and "C: concurrency" in out and "floor: the cheapest apply" in out
