@@ -226,3 +226,26 @@ def test_a_quick_run_calls_its_goal_verdicts_indicative(capsys):
     out = capsys.readouterr().out
     assert "goals (BENCHMARKS.md): INDICATIVE ONLY" in out
     assert "terms:" in out and "C: concurrency" in out and "floor: the cheapest apply" in out
+
+
+def test_launch_timing_runs_and_checks_every_launch_variant():
+    """`--launch`'s measurements on a few steps of the tiny trace (Triton's interpreter on CPU)."""
+    import torch
+
+    from multiwrite.bench.launch import LAUNCH_VARIANTS, measure_launch, report_lines
+    from multiwrite.workload import load_trace
+
+    statuses = {s.name: s for s in multiwrite.available_backends("cpu")}
+    if "triton-cuda" not in statuses or not statuses["triton-cuda"].available:
+        pytest.skip("triton-cuda cannot run on CPU here (needs Triton and TRITON_INTERPRET=1)")
+    result = measure_launch(load_trace(SMALL_TRACE), torch.device("cpu"), 6, 0, [3], 2, (2, 4), lambda n=1: None)
+    assert [(r["config"], r["launcher"], r["guard"]) for r in result.same_loop] == [
+        (g, *v) for g in ("G1", "G3") for v in LAUNCH_VARIANTS
+    ]
+    assert all(r["mismatches"] == 0 and r["steps"] >= 1 and r["apply_x_empty"] > 0 for r in result.same_loop)
+    assert len(result.tight_loop) == 1 and result.tight_loop[0]["writes"] >= 1
+    assert result.device == {}  # no device times off a GPU
+    text = "\n".join(report_lines(result))
+    assert "same loop" in text and "tight loop" in text and "not measured off a GPU" in text
+    result.same_loop[0]["mismatches"] = 5
+    assert result.failures() == ["launch auto/kernel G1 C=3: 5 cells differ"]

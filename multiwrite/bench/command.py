@@ -95,6 +95,12 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument("--burst-requests", type=positive_int, help=f"requests of the prefill burst ({f.burst_requests})")
     p.add_argument("--burst-ids", type=positive_int, help=f"manager block ids per request and group ({f.burst_ids})")
     p.add_argument("--burst-reps", type=non_negative_int, help=f"timed burst repetitions, 0: none ({f.burst_reps})")
+    p.add_argument(
+        "--launch",
+        action="store_true",
+        help="also time the Triton launch itself (triton-cuda): launch paths and slot guards next to an empty launch "
+        "in the same loop, a tight loop of a captured decode apply, and device times behind a sleep (GPU)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
     p.add_argument("--backend", default=None, help="force a backend by name (default: best available)")
     p.add_argument(
@@ -124,7 +130,12 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 
 def run_bench(
-    opts: BenchOptions, device: torch.device, backend: str | None, trace_path: str | None, progress: bool
+    opts: BenchOptions,
+    device: torch.device,
+    backend: str | None,
+    trace_path: str | None,
+    progress: bool,
+    launch: bool = False,
 ) -> BenchResult:
     """Measure every configuration and concurrency of `opts`, then the burst, on `device`.
 
@@ -137,6 +148,7 @@ def run_bench(
     timestamp = datetime.now().astimezone().isoformat(timespec="seconds")
     passes = 2 if device.type == "cuda" else 1
     total = len(opts.configs) * len(opts.concurrency) * opts.steps * passes + opts.burst_reps
+    total += 2 * len(opts.concurrency) * opts.steps if launch else 0
     result = BenchResult(
         timestamp, environment(device), backend_name, f"{trace.source} ({len(trace)} requests)", opts.steps, opts.warmup
     )
@@ -147,6 +159,13 @@ def run_bench(
                 result.configs.append(measure_config(trace, config, c, opts.steps, opts.warmup, device, backend, tick))
         if opts.burst_reps:
             result.burst = measure_burst(opts.burst_requests, opts.burst_ids, opts.burst_reps, device, backend, tick)
+        if launch:
+            from multiwrite.bench.launch import measure_launch
+
+            tight_n = 3000 if opts.steps >= FULL.steps else 200
+            burst = (opts.burst_requests, opts.burst_ids)
+            c = opts.concurrency
+            result.launch = measure_launch(trace, device, opts.steps, opts.warmup, c, tight_n, burst, tick)
     result.interpreted = ran_interpreted(backend_obj)
     result.quick = opts.steps < FULL.steps or opts.burst_reps < FULL.burst_reps
     return result
@@ -225,11 +244,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise RefusedError(problem)
     device = resolve_device(args.device)  # DeviceError: main() reports it, exit code 2
     check_sizes(opts, device)
+    if args.launch:
+        from multiwrite.dispatch import available_backends
+
+        status = next((s for s in available_backends(device) if s.name == "triton-cuda"), None)
+        if status is None or not status.available:
+            why = "; ".join(status.reasons) if status is not None else "not registered"
+            raise RefusedError(f"--launch times triton-cuda, which cannot run on {device}: {why}")
     threads_before = torch.get_num_threads()
     threads = args.threads or (1 if device.type == "cpu" else threads_before)
     torch.set_num_threads(threads)
     try:
-        result = run_bench(opts, device, args.backend, args.trace, show_progress(args.no_progress))
+        result = run_bench(opts, device, args.backend, args.trace, show_progress(args.no_progress), args.launch)
     finally:
         torch.set_num_threads(threads_before)
     result.env["torch_threads"] = str(threads)

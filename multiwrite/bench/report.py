@@ -137,12 +137,17 @@ def terminal_report(result: BenchResult) -> str:
             ],
         )
         out.append(f"  fused / {b.copy_name} bandwidth: {b.apply_bytes_per_s / b.copy_bytes_per_s:.3g}")
+    if result.launch is not None:
+        from multiwrite.bench.launch import report_lines
+
+        out += report_lines(result.launch)
     failures = result.failures()
     out.append("")
     if failures:
         out += ["verification: FAILED"] + [f"  MISMATCH {f}" for f in failures]
     else:
         n = sum(1 for c in result.configs for v in c.variants.values() if v.verified)
+        n += len(result.launch.same_loop) if result.launch is not None else 0
         out.append(f"verification: OK, all {n} variant runs" + (" and the burst" if b else "") + " equal the reference")
     head = "goals (BENCHMARKS.md)"
     if result.quick and not result.interpreted:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -345,6 +346,7 @@ class BenchResult:
     burst: BurstResult | None = None
     interpreted: bool = False
     quick: bool = False
+    launch: Any = None  # a `bench.launch.LaunchResult` with --launch
 
     @property
     def gpu(self) -> bool:
@@ -364,6 +366,8 @@ class BenchResult:
         if self.burst is not None and self.burst.mismatch is not None:
             m = self.burst.mismatch
             out.append(f"fused prefill burst: {m.cells} cells differ from the expected tables; first: {m.first}")
+        if self.launch is not None:
+            out += self.launch.failures()
         return out
 
 
