@@ -225,8 +225,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         ("trace", f"{trace.source} ({len(trace)} requests)"),
         (
             "token caps",
-            f"prompts and outputs capped at {MAX_PROMPT_TOKENS} and {MAX_OUTPUT_TOKENS} tokens "
-            f"({capped_p} prompts, {capped_o} outputs were longer)",
+            f"prompts cut to {MAX_PROMPT_TOKENS} tokens ({capped_p} longer in this trace), outputs to "
+            f"{MAX_OUTPUT_TOKENS} ({capped_o} longer)",
         ),
         ("backend", result.backend),
         ("device", f"{env['device']} ({env['device_name']})"),

@@ -232,7 +232,8 @@ def test_launch_timing_runs_and_checks_every_launch_variant():
     """`--launch`'s measurements on a few steps of the tiny trace (Triton's interpreter on CPU)."""
     import torch
 
-    from multiwrite.bench.launch import LAUNCH_VARIANTS, measure_launch, report_lines
+    from multiwrite.bench.launch import LAUNCH_VARIANTS, measure_launch
+    from multiwrite.bench.report import launch_lines
     from multiwrite.workload import load_trace
 
     statuses = {s.name: s for s in multiwrite.available_backends("cpu")}
@@ -245,7 +246,7 @@ def test_launch_timing_runs_and_checks_every_launch_variant():
     assert all(r["mismatches"] == 0 and r["steps"] >= 1 and r["apply_x_empty"] > 0 for r in result.same_loop)
     assert len(result.tight_loop) == 1 and result.tight_loop[0]["writes"] >= 1
     assert result.device == {}  # no device times off a GPU
-    text = "\n".join(report_lines(result))
+    text = "\n".join(launch_lines(result))
     assert "same loop" in text and "tight loop" in text and "not measured off a GPU" in text
     result.same_loop[0]["mismatches"] = 5
     assert result.failures() == ["launch auto/kernel G1 C=3: 5 cells differ"]

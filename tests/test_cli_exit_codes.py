@@ -125,7 +125,7 @@ def test_no_progress_bar_without_a_terminal_and_the_caps_are_stated(results):
     proc = results["small-replay"]
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # stderr is a pipe here: no progress bar even without --no-progress
-    assert "token caps         prompts and outputs capped at 8192 and 8192 tokens (0 prompts, 0 outputs" in proc.stdout
+    assert "token caps         prompts cut to 8192 tokens (0 longer in this trace), outputs to 8192 (0" in proc.stdout
     assert "result: OK" in proc.stdout
 
 

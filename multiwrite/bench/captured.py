@@ -2,7 +2,7 @@
 
 `RecordingBackend` is a public `Backend` that copies every batch `BlockTables` hands it and (unless told
 to forward) applies nothing, so only the public plugin API is used: `backend.writer(device)`,
-`writer.apply(batches)`, `WriteBatch(...)`. Used by `bench.launch` and by scripts/ncu_target.py.
+`writer.apply(batches)`, `WriteBatch(...)`. Used by `bench.launch` and by scripts/ncu.py.
 """
 
 from __future__ import annotations

@@ -193,31 +193,3 @@ def measure_launch(trace: Trace, device, steps: int, warmup: int, concurrency: l
     result.device = device_behind_sleep(device, max(5, tight_n // 10), concurrency, burst, empty)
     result.launch_path = result.same_loop[0]["launch_path"] if result.same_loop else ""
     return result
-
-
-def report_lines(r: LaunchResult) -> list[str]:
-    """The `--launch` section of the terminal report."""
-    from multiwrite.bench.report import format_table
-
-    head = "launch (--launch): host time per apply next to one empty Triton launch; median us, lower is better"
-    out = ["", head]
-    out.append(f"  launch path of the default backend: {r.launch_path or '-'}")
-    out.append("  same loop: each step stages, applies, synchronizes, then one empty launch; x: ratio of medians")
-    out += format_table(
-        ["config", "C", "launcher", "guard", "apply", "apply p99", "empty", "apply x", "step", "step x"],
-        [[x["config"], str(x["C"]), x["launcher"], x["guard"], f"{x['apply_us']:.2f}", f"{x['apply_p99_us']:.2f}",
-          f"{x['empty_us']:.2f}", f"{x['apply_x_empty']:.2f}", f"{x['step_us']:.2f}", f"{x['step_x_empty']:.2f}"]
-         for x in r.same_loop],
-    )  # fmt: skip
-    out.append("  tight loop: a captured G3 decode apply alone (no staging), a synchronize every 50 calls")
-    out += format_table(
-        ["config", "C", "writes", "apply", "empty", "apply x"],
-        [[x["config"], str(x["C"]), str(x["writes"]), f"{x['apply_us']:.2f}", f"{x['empty_us']:.2f}",
-          f"{x['apply_x_empty']:.2f}"] for x in r.tight_loop],
-    )  # fmt: skip
-    if r.device:
-        out.append("  device time, CUDA events around work queued behind a sleep (launch submission excluded), us:")
-        out += [f"    {k}: {v:.2f}" for k, v in r.device.items()]
-    else:
-        out.append("  device time behind a sleep: not measured off a GPU")
-    return out

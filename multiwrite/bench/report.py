@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from multiwrite.bench.glossary import TERMS
+from multiwrite.bench.launch import LaunchResult
 from multiwrite.bench.runner import BenchResult, ConfigResult, Stats
+from multiwrite.workload import MAX_PROMPT_TOKENS
 
 VARIANT_ORDER = ("fused", "per-group", "naive")
 
@@ -70,7 +72,8 @@ def terminal_report(result: BenchResult) -> str:
         f"{env['torch_threads']} torch thread{'s' if env['torch_threads'] != '1' else ''}",
         f"  multiwrite {env['multiwrite']}, torch {env['torch']}, triton {env['triton']}, numpy {env['numpy']}, "
         f"python {env['python']}; {result.timestamp}",
-        f"  trace {result.trace}; {result.steps} steps per configuration, the first {result.warmup} warm-up",
+        f"  trace {result.trace}, prompts and outputs capped at {MAX_PROMPT_TOKENS} tokens; {result.steps} steps per "
+        f"configuration, the first {result.warmup} warm-up",
         "  times in microseconds: median (p99) over the measured steps with at least one write; lower is better",
         "terms:",
         *(textwrap.fill(t, 110, initial_indent="  ", subsequent_indent="      ") for t in TERMS),
@@ -138,9 +141,7 @@ def terminal_report(result: BenchResult) -> str:
         )
         out.append(f"  fused / {b.copy_name} bandwidth: {b.apply_bytes_per_s / b.copy_bytes_per_s:.3g}")
     if result.launch is not None:
-        from multiwrite.bench.launch import report_lines
-
-        out += report_lines(result.launch)
+        out += launch_lines(result.launch)
     failures = result.failures()
     out.append("")
     if failures:
@@ -284,3 +285,29 @@ def write_csv(result: BenchResult, path: str | Path) -> None:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(csv_rows(result))
+
+
+def launch_lines(r: LaunchResult) -> list[str]:
+    """The `--launch` section of the terminal report."""
+    head = "launch (--launch): host time per apply next to one empty Triton launch; median us, lower is better"
+    out = ["", head]
+    out.append(f"  launch path of the default backend: {r.launch_path or '-'}")
+    out.append("  same loop: each step stages, applies, synchronizes, then one empty launch; x: ratio of medians")
+    out += format_table(
+        ["config", "C", "launcher", "guard", "apply", "apply p99", "empty", "apply x", "step", "step x"],
+        [[x["config"], str(x["C"]), x["launcher"], x["guard"], f"{x['apply_us']:.2f}", f"{x['apply_p99_us']:.2f}",
+          f"{x['empty_us']:.2f}", f"{x['apply_x_empty']:.2f}", f"{x['step_us']:.2f}", f"{x['step_x_empty']:.2f}"]
+         for x in r.same_loop],
+    )  # fmt: skip
+    out.append("  tight loop: a captured G3 decode apply alone (no staging), a synchronize every 50 calls")
+    out += format_table(
+        ["config", "C", "writes", "apply", "empty", "apply x"],
+        [[x["config"], str(x["C"]), str(x["writes"]), f"{x['apply_us']:.2f}", f"{x['empty_us']:.2f}",
+          f"{x['apply_x_empty']:.2f}"] for x in r.tight_loop],
+    )  # fmt: skip
+    if r.device:
+        out.append("  device time, CUDA events around work queued behind a sleep (launch submission excluded), us:")
+        out += [f"    {k}: {v:.2f}" for k, v in r.device.items()]
+    else:
+        out.append("  device time behind a sleep: not measured off a GPU")
+    return out
