@@ -23,7 +23,8 @@ def config_definition(name: str) -> str:
 #: One line per term, in the order the report prints them.
 TERMS = (
     "G1-G4: KV-cache group configurations: " + "; ".join(config_definition(n) for n in CONFIGS),
-    "C: concurrency, the request slots (table rows) the scheduler keeps full",
+    "C: concurrency, the request slots (table rows) the scheduler keeps full; writes/step: median "
+    "append_block_ids calls of a measured step",
     "fused: one BlockTables, one apply for every group (this library); per-group: one BlockTables and one "
     "apply per group; naive: one device tensor and slice assignment per write",
     "floor: the cheapest apply there is, nothing written: one empty backend call on a CPU; one empty Triton "

@@ -109,6 +109,11 @@ def terminal_report(result: BenchResult) -> str:
         floor = result.configs[0].floor
         what = "one empty backend call" if floor == "floor" else f"{floor}, one empty launch"
         out += ["", f"ratios of medians, fused / other (below 1: fused is faster; floor: {what})"]
+        if any(c.config == "G1" for c in result.configs):
+            out.append(
+                "  (G1 has one group: there fused and per-group are the same one-group BlockTables, and their ratio "
+                "shows turn order and noise, not design; BENCHMARKS.md, How it times)"
+            )
         heads = [f"{m} /{o}" for m in ("apply", "step") for o in ("per-group", "naive", "floor")]
         out += format_table(
             ["config", "C", *heads],
