@@ -415,7 +415,11 @@ class BlockTables:
         Reads no device state (no copy back, no synchronization): each request's counts as of the last
         apply are kept on the host when a batch first changes them, so this is right even while an apply
         is still running on another stream.
+
+        Raises:
+            GraphCaptureError: the current CUDA stream is capturing a graph; nothing is dropped.
         """
+        refuse_capture(self.device, "BlockTables.clear_staged_writes")
         changed = np.flatnonzero(self._stamps[self._counts_table] == self._context_view[_CTX_EPOCH])
         self.num_blocks[:, changed] = self._num_blocks_applied[:, changed]
         self._arena.clear()

@@ -62,6 +62,14 @@ class Trace:
     def __len__(self) -> int:
         return int(self.prompt_tokens.shape[0])
 
+    def num_capped(self) -> tuple[int, int]:
+        """(prompts, outputs) longer than the workload's caps (`MAX_PROMPT_TOKENS`, `MAX_OUTPUT_TOKENS`),
+        which the replay cuts to the cap."""
+        return (
+            int(np.count_nonzero(self.prompt_tokens > MAX_PROMPT_TOKENS)),
+            int(np.count_nonzero(self.output_tokens > MAX_OUTPUT_TOKENS)),
+        )
+
 
 def load_trace(path: str | Path | None = None) -> Trace:
     """Read a CSV trace with integer `ContextTokens` and `GeneratedTokens` columns (other columns ignored).
@@ -70,8 +78,9 @@ def load_trace(path: str | Path | None = None) -> Trace:
         path: the CSV file; None reads the embedded Azure conversation trace.
 
     Raises:
-        TraceError: unreadable file, missing column, a value that is not a non-negative integer, or no
-            requests; the message names the file and, where it applies, the line.
+        TraceError: unreadable file, missing column, a value that is not a non-negative integer, no
+            requests, or no request with any token (nothing to replay); the message names the file and,
+            where it applies, the line.
     """
     if path is None:
         ref = resources.files("multiwrite") / "data" / EMBEDDED_TRACE
@@ -112,6 +121,10 @@ def load_trace(path: str | Path | None = None) -> Trace:
         outputs.append(parsed[1])
     if not prompts:
         raise TraceError(f"{source}: no requests after the header")
+    if not any(p + o for p, o in zip(prompts, outputs)):
+        raise TraceError(
+            f"{source}: all {len(prompts)} requests have ContextTokens + GeneratedTokens = 0: nothing to schedule"
+        )
     return Trace(np.asarray(prompts, dtype=np.int64), np.asarray(outputs, dtype=np.int64), source)
 
 

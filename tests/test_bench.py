@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 import multiwrite
-from multiwrite import bench, bench_variants
-from multiwrite.bench_report import CSV_COLUMNS, csv_rows, format_table, goal_lines, terminal_report
-from multiwrite.bench_run import BenchResult, BurstResult, ConfigResult, Stats, VariantResult
-from multiwrite.bench_variants import Mismatch, Snapshot, compare
+from multiwrite.bench import command as bench
+from multiwrite.bench import variants as bench_variants
+from multiwrite.bench.report import CSV_COLUMNS, csv_rows, format_table, goal_lines, terminal_report
+from multiwrite.bench.runner import BenchResult, BurstResult, ConfigResult, Stats, VariantResult
+from multiwrite.bench.variants import Mismatch, Snapshot, compare
 from multiwrite.cli import main
 from multiwrite.reference import ReferenceBlockTables
 
@@ -95,8 +96,10 @@ def test_bad_arguments_exit_2(extra, capsys):
 
 
 def test_warmup_that_leaves_no_step_exits_2(capsys):
-    assert main([*QUICK, "--steps", "10", "--warmup", "10"]) == 2
-    assert "--warmup" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([*QUICK, "--steps", "10", "--warmup", "10"])
+    assert exc.value.code == 2
+    assert "multiwrite bench: error: argument --warmup: 10 warm-up steps leave none" in capsys.readouterr().err
 
 
 def _no_run(*args, **kwargs):
@@ -201,7 +204,49 @@ def test_gpu_report_judges_the_gpu_goals():
 
 def test_gpu_plot_draws_both_floors(tmp_path):
     pytest.importorskip("matplotlib")
-    from multiwrite.bench_report import write_plot
+    from multiwrite.bench.plot import write_plot
 
     write_plot(_fake_gpu_result(), tmp_path / "gpu.png")
     assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_a_burst_that_cannot_fit_in_memory_is_refused_before_the_run(monkeypatch, capsys):
+    from multiwrite import cli_args
+
+    monkeypatch.setattr(bench, "run_bench", _no_run)
+    monkeypatch.setattr(cli_args, "host_memory_available", lambda: 10**9)  # a machine with 1 GB free
+    assert main([*QUICK, "--burst-requests", "1", "--burst-ids", "30000000"]) == 2  # ids fit int32, not memory
+    err = capsys.readouterr().err
+    assert err.startswith("multiwrite bench: error: --burst-requests 1 --burst-ids 30000000 needs about ")
+    assert err.strip().endswith("1.0 GB is available: refused before the run")
+
+
+def test_a_quick_run_calls_its_goal_verdicts_indicative(capsys):
+    assert main([*QUICK, "--configs", "G3", "--concurrency", "40", "--burst-reps", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "goals (BENCHMARKS.md): INDICATIVE ONLY" in out
+    assert "terms:" in out and "C: concurrency" in out and "floor: the cheapest apply" in out
+
+
+def test_launch_timing_runs_and_checks_every_launch_variant():
+    """`--launch`'s measurements on a few steps of the tiny trace (Triton's interpreter on CPU)."""
+    import torch
+
+    from multiwrite.bench.launch import LAUNCH_VARIANTS, measure_launch
+    from multiwrite.bench.report import launch_lines
+    from multiwrite.workload import load_trace
+
+    statuses = {s.name: s for s in multiwrite.available_backends("cpu")}
+    if "triton-cuda" not in statuses or not statuses["triton-cuda"].available:
+        pytest.skip("triton-cuda cannot run on CPU here (needs Triton and TRITON_INTERPRET=1)")
+    result = measure_launch(load_trace(SMALL_TRACE), torch.device("cpu"), 6, 0, [3], 2, (2, 4), lambda n=1: None)
+    assert [(r["config"], r["launcher"], r["guard"]) for r in result.same_loop] == [
+        (g, *v) for g in ("G1", "G3") for v in LAUNCH_VARIANTS
+    ]
+    assert all(r["mismatches"] == 0 and r["steps"] >= 1 and r["apply_x_empty"] > 0 for r in result.same_loop)
+    assert len(result.tight_loop) == 1 and result.tight_loop[0]["writes"] >= 1
+    assert result.device == {}  # no device times off a GPU
+    text = "\n".join(launch_lines(result))
+    assert "same loop" in text and "tight loop" in text and "not measured off a GPU" in text
+    result.same_loop[0]["mismatches"] = 5
+    assert result.failures() == ["launch auto/kernel G1 C=3: 5 cells differ"]

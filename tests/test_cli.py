@@ -142,10 +142,20 @@ def test_cuda_device_without_cuda_exits_2(capsys):
     assert "Traceback" not in err
 
 
-def test_mismatched_kernel_block_sizes_exit_2(capsys):
-    assert main(["replay", "--block-sizes", "16,32", "--kernel-block-sizes", "16", "--no-progress"]) == 2
-    assert main(["replay", "--block-sizes", "16,24", "--kernel-block-sizes", "16,16", "--no-progress"]) == 2
-    assert "not a positive multiple" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--block-sizes", "16,32", "--kernel-block-sizes", "16"], "1 entry for the 2 groups of --block-sizes 16,32"),
+        (["--block-sizes", "16,24", "--kernel-block-sizes", "16,16"], "group 1: block size 24 is not a positive"),
+    ],
+)
+def test_mismatched_kernel_block_sizes_exit_2_in_argparse_format(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", *argv, "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: multiwrite replay")
+    assert f"multiwrite replay: error: argument --kernel-block-sizes: {message}" in err
 
 
 def test_forced_unknown_backend_exit_2(capsys):

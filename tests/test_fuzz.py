@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 from fuzz_util import run_fuzz
 
 SEED = 20240808

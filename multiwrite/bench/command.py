@@ -1,10 +1,9 @@
-"""`multiwrite bench`: the fused writer side by side with per-group and naive writes on the real trace.
+"""The `multiwrite bench` subcommand: options, checks before the run, the run, the report.
 
 One process, one run: the trace-replay workload of the project's performance anchors (BENCHMARKS.md) for
-each configuration and concurrency, through the variants of `bench_variants` (timed as `bench_run`
+each configuration and concurrency, through the variants of `bench.variants` (timed as `bench.runner`
 describes), every variant checked against the reference; then the prefill burst; then the report of
-`bench_report` on the terminal, and on request a CSV file and a plot. Exit codes: 0 all verified, 1 a
-variant's tables differed from the reference, 2 bad arguments.
+`bench.report` on the terminal, and on request a CSV file and a plot. Exit codes: `cli_args.EXIT_CODES_HELP`.
 """
 
 from __future__ import annotations
@@ -12,16 +11,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
+import textwrap
 from dataclasses import dataclass
 from datetime import datetime
 
 import torch
 
-from multiwrite.bench_run import BenchResult, measure_burst, measure_config
-from multiwrite.cli import int_list, non_negative_int, positive_int, progress_bar
+from multiwrite.bench.glossary import help_text
+from multiwrite.bench.runner import BenchResult, measure_burst, measure_config, memory_needed
+from multiwrite.cli_args import (
+    EXIT_CODES_HELP,
+    RefusedError,
+    UsageError,
+    int_list,
+    non_negative_int,
+    positive_int,
+    progress_bar,
+    refuse_if_too_big,
+    show_progress,
+)
 from multiwrite.environment import environment, resolve_device
-from multiwrite.workload import CONFIGS, load_trace
+from multiwrite.workload import CONFIGS, MAX_PROMPT_TOKENS, load_trace
 from multiwrite.writer import FusedStagedWriter
 
 
@@ -52,18 +62,32 @@ def config_list(text: str) -> list[str]:
     return names
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Register the `bench` subcommand on the `multiwrite` command's subparsers."""
     p = sub.add_parser(
         "bench",
+        parents=[common],
         help="measure fused vs per-group vs naive block-table writes on the trace, with ratios, CSV and a plot",
-        description="Replay the trace workload of BENCHMARKS.md through the fused writer, one writer per group, "
-        "naive per-write slice assignment and the launch floor, side by side in one run; check every "
-        "variant against the reference; measure a prefill burst against a plain copy of the same bytes.",
+        description=help_text(
+            "Replay the trace workload of BENCHMARKS.md through the fused writer, one writer per group, "
+            "naive per-write slice assignment and the launch floor, side by side in one run; check every "
+            "variant against the reference; measure a prefill burst against a plain copy of the same bytes; "
+            "judge the goals of BENCHMARKS.md."
+        ),
+        epilog=textwrap.fill(EXIT_CODES_HELP, 78),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     f = FULL
-    p.add_argument("--quick", action="store_true", help="small run for a smoke test: G1,G3, 120 steps, small burst")
-    p.add_argument("--trace", help="CSV with ContextTokens,GeneratedTokens columns (default: embedded Azure trace)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small run for a smoke test: G1,G3, 120 steps, small burst; its goal verdicts are indicative only",
+    )
+    p.add_argument(
+        "--trace",
+        help="CSV with ContextTokens,GeneratedTokens columns (default: embedded Azure trace); prompts and "
+        f"outputs are capped at {MAX_PROMPT_TOKENS} tokens",
+    )
     p.add_argument("--configs", type=config_list, help=f"configurations among {','.join(CONFIGS)} (all)")
     p.add_argument("--concurrency", type=int_list, help="request slots = table rows, list (40,256)")
     p.add_argument("--steps", type=positive_int, help=f"scheduler steps per configuration ({f.steps})")
@@ -71,6 +95,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--burst-requests", type=positive_int, help=f"requests of the prefill burst ({f.burst_requests})")
     p.add_argument("--burst-ids", type=positive_int, help=f"manager block ids per request and group ({f.burst_ids})")
     p.add_argument("--burst-reps", type=non_negative_int, help=f"timed burst repetitions, 0: none ({f.burst_reps})")
+    p.add_argument(
+        "--launch",
+        action="store_true",
+        help="also time the Triton launch itself (triton-cuda): launch paths and slot guards next to an empty launch "
+        "in the same loop, a tight loop of a captured decode apply, and device times behind a sleep (GPU)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
     p.add_argument("--backend", default=None, help="force a backend by name (default: best available)")
     p.add_argument(
@@ -79,9 +109,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="torch threads (default: 1 on CPU, as BENCHMARKS.md's CPU figures; torch's default on a GPU)",
     )
     p.add_argument("--csv", metavar="PATH", help="write one row per measurement to this CSV file")
-    p.add_argument("--plot", metavar="PATH.png", help="plot apply time per variant and configuration (matplotlib)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench)
+    p.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="plot staging + apply and apply time per variant and configuration (needs 'multiwrite[plot]')",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only when stderr is a terminal)")
+    p.set_defaults(func=cmd_bench, parser=p)
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
@@ -96,7 +130,12 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 
 def run_bench(
-    opts: BenchOptions, device: torch.device, backend: str | None, trace_path: str | None, progress: bool
+    opts: BenchOptions,
+    device: torch.device,
+    backend: str | None,
+    trace_path: str | None,
+    progress: bool,
+    launch: bool = False,
 ) -> BenchResult:
     """Measure every configuration and concurrency of `opts`, then the burst, on `device`.
 
@@ -109,6 +148,7 @@ def run_bench(
     timestamp = datetime.now().astimezone().isoformat(timespec="seconds")
     passes = 2 if device.type == "cuda" else 1
     total = len(opts.configs) * len(opts.concurrency) * opts.steps * passes + opts.burst_reps
+    total += 2 * len(opts.concurrency) * opts.steps if launch else 0
     result = BenchResult(
         timestamp, environment(device), backend_name, f"{trace.source} ({len(trace)} requests)", opts.steps, opts.warmup
     )
@@ -119,7 +159,15 @@ def run_bench(
                 result.configs.append(measure_config(trace, config, c, opts.steps, opts.warmup, device, backend, tick))
         if opts.burst_reps:
             result.burst = measure_burst(opts.burst_requests, opts.burst_ids, opts.burst_reps, device, backend, tick)
+        if launch:
+            from multiwrite.bench.launch import measure_launch
+
+            tight_n = 3000 if opts.steps >= FULL.steps else 200
+            burst = (opts.burst_requests, opts.burst_ids)
+            c = opts.concurrency
+            result.launch = measure_launch(trace, device, opts.steps, opts.warmup, c, tight_n, burst, tick)
     result.interpreted = ran_interpreted(backend_obj)
+    result.quick = opts.steps < FULL.steps or opts.burst_reps < FULL.burst_reps
     return result
 
 
@@ -158,36 +206,61 @@ def plot_format_problem(path: str) -> str | None:
     return None
 
 
+def check_sizes(opts: BenchOptions, device: torch.device) -> None:
+    """Raise `RefusedError` when the run cannot fit: burst block ids beyond int32, or more memory than the
+    host (or the device) has."""
+    if opts.burst_reps:
+        largest = (1 + 3 * opts.burst_requests * opts.burst_ids) * 2  # G3's group 1 writes 2 kernel ids per id
+        if largest > 2**31 - 1:
+            raise RefusedError(
+                f"--burst-requests {opts.burst_requests} --burst-ids {opts.burst_ids}: the burst's kernel block ids "
+                f"reach {largest:,}, beyond int32 (2,147,483,647): refused before the run"
+            )
+    host, dev, what = memory_needed(opts, device)
+    refuse_if_too_big(what, host, dev, device)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run `multiwrite bench`; returns the exit code (0 verified, 1 a mismatch, 2 bad arguments)."""
+    """Run `multiwrite bench`; returns the exit code (0 verified, 1 a mismatch).
+
+    Raises:
+        UsageError: options that contradict each other. RefusedError: a run that cannot fit. TraceError,
+        DeviceError, BackendUnavailableError: bad trace, device or backend. All before measuring.
+    """
     opts = options_from_args(args)
     if opts.warmup >= opts.steps:
-        print(f"multiwrite bench: error: --warmup {opts.warmup} leaves none of {opts.steps} steps", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument --warmup: {opts.warmup} warm-up steps leave none of {opts.steps} steps to measure")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("multiwrite bench: error: --plot needs matplotlib: pip install 'multiwrite[plot]'", file=sys.stderr)
-            return 2
+            raise RefusedError("--plot needs matplotlib: pip install 'multiwrite[plot]'") from None
     problems = [
         output_path_problem(path, option) for path, option in ((args.csv, "--csv"), (args.plot, "--plot")) if path
     ]
     if args.plot:
         problems.append(plot_format_problem(args.plot))
     for problem in filter(None, problems):
-        print(f"multiwrite bench: error: {problem}", file=sys.stderr)
-        return 2
+        raise RefusedError(problem)
     device = resolve_device(args.device)  # DeviceError: main() reports it, exit code 2
+    check_sizes(opts, device)
+    if args.launch:
+        from multiwrite.dispatch import available_backends
+
+        status = next((s for s in available_backends(device) if s.name == "triton-cuda"), None)
+        if status is None or not status.available:
+            why = "; ".join(status.reasons) if status is not None else "not registered"
+            raise RefusedError(f"--launch times triton-cuda, which cannot run on {device}: {why}")
     threads_before = torch.get_num_threads()
     threads = args.threads or (1 if device.type == "cpu" else threads_before)
     torch.set_num_threads(threads)
     try:
-        result = run_bench(opts, device, args.backend, args.trace, not args.no_progress)
+        result = run_bench(opts, device, args.backend, args.trace, show_progress(args.no_progress), args.launch)
     finally:
         torch.set_num_threads(threads_before)
     result.env["torch_threads"] = str(threads)
-    from multiwrite.bench_report import terminal_report, write_csv, write_plot
+    from multiwrite.bench.plot import write_plot
+    from multiwrite.bench.report import terminal_report, write_csv
 
     print(terminal_report(result))
     if args.csv:

@@ -1,16 +1,18 @@
 """What `multiwrite bench` prints and writes: the terminal tables, the goals of the project's performance
-anchors (BENCHMARKS.md), CSV and a plot."""
+anchors (BENCHMARKS.md), and CSV (the plot is in `bench.plot`)."""
 
 from __future__ import annotations
 
 import csv
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
-from multiwrite.bench_run import BenchResult, ConfigResult, Stats
+from multiwrite.bench.glossary import TERMS
+from multiwrite.bench.launch import LaunchResult
+from multiwrite.bench.runner import BenchResult, ConfigResult, Stats
+from multiwrite.workload import MAX_PROMPT_TOKENS
 
 VARIANT_ORDER = ("fused", "per-group", "naive")
 
@@ -70,13 +72,16 @@ def terminal_report(result: BenchResult) -> str:
         f"{env['torch_threads']} torch thread{'s' if env['torch_threads'] != '1' else ''}",
         f"  multiwrite {env['multiwrite']}, torch {env['torch']}, triton {env['triton']}, numpy {env['numpy']}, "
         f"python {env['python']}; {result.timestamp}",
-        f"  trace {result.trace}; {result.steps} steps per configuration, the first {result.warmup} warm-up",
-        "  times in microseconds: median (p99) over the measured steps with at least one write",
+        f"  trace {result.trace}, prompts and outputs capped at {MAX_PROMPT_TOKENS} tokens; {result.steps} steps per "
+        f"configuration, the first {result.warmup} warm-up",
+        "  times in microseconds: median (p99) over the measured steps with at least one write; lower is better",
+        "terms:",
+        *(textwrap.fill(t, 110, initial_indent="  ", subsequent_indent="      ") for t in TERMS),
     ]
     if result.configs:
         floors = _floors(result)
         keys = [(c.config, str(c.concurrency)) for c in result.configs]
-        out += ["", "host time per step, staging + apply"]
+        out += ["", "host time per step, staging + apply (the figure the staging goals judge)"]
         out += format_table(
             ["config", "C", "steps", "writes/step", *VARIANT_ORDER],
             [
@@ -104,6 +109,11 @@ def terminal_report(result: BenchResult) -> str:
         floor = result.configs[0].floor
         what = "one empty backend call" if floor == "floor" else f"{floor}, one empty launch"
         out += ["", f"ratios of medians, fused / other (below 1: fused is faster; floor: {what})"]
+        if any(c.config == "G1" for c in result.configs):
+            out.append(
+                "  (G1 has one group: there fused and per-group are the same one-group BlockTables, and their ratio "
+                "shows turn order and noise, not design; BENCHMARKS.md, How it times)"
+            )
         heads = [f"{m} /{o}" for m in ("apply", "step") for o in ("per-group", "naive", "floor")]
         out += format_table(
             ["config", "C", *heads],
@@ -135,14 +145,23 @@ def terminal_report(result: BenchResult) -> str:
             ],
         )
         out.append(f"  fused / {b.copy_name} bandwidth: {b.apply_bytes_per_s / b.copy_bytes_per_s:.3g}")
+    if result.launch is not None:
+        out += launch_lines(result.launch)
     failures = result.failures()
     out.append("")
     if failures:
         out += ["verification: FAILED"] + [f"  MISMATCH {f}" for f in failures]
     else:
         n = sum(1 for c in result.configs for v in c.variants.values() if v.verified)
+        n += len(result.launch.same_loop) if result.launch is not None else 0
         out.append(f"verification: OK, all {n} variant runs" + (" and the burst" if b else "") + " equal the reference")
-    out += ["", "goals (BENCHMARKS.md)"] + [f"  {g}" for g in goal_lines(result)]
+    head = "goals (BENCHMARKS.md)"
+    if result.quick and not result.interpreted:
+        head += (
+            f": INDICATIVE ONLY: a smaller run ({result.steps} steps per configuration) than the default "
+            "`multiwrite bench` (without --quick) that the goals are judged on"
+        )
+    out += ["", head] + [f"  {g}" for g in goal_lines(result)]
     return "\n".join(out)
 
 
@@ -273,35 +292,27 @@ def write_csv(result: BenchResult, path: str | Path) -> None:
         writer.writerows(csv_rows(result))
 
 
-def write_plot(result: BenchResult, path: str | Path) -> None:
-    """Grouped bars of median apply host time per variant and configuration (log scale), each floor drawn
-    as a horizontal line at its median over the configurations; saved to `path` (PNG).
-
-    Raises:
-        ImportError: matplotlib is missing (the `plot` extra), with the install command in the message.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(f"--plot needs matplotlib: pip install 'multiwrite[plot]' ({exc})") from None
-    configs = result.configs
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(configs) + 2), 4.5))
-    width = 0.8 / len(VARIANT_ORDER)
-    for i, name in enumerate(VARIANT_ORDER):
-        xs = [j + (i - (len(VARIANT_ORDER) - 1) / 2) * width for j in range(len(configs))]
-        ax.bar(xs, [c.variants[name].apply.median_us for c in configs], width, label=name)
-    for style, floor in zip(("-", "--"), _floors(result)):
-        level = float(np.median([c.variants[floor].apply.median_us for c in configs]))  # over configurations
-        ax.axhline(level, color="black", linestyle=style, linewidth=1, label=f"{floor} ({level:.1f} us)")
-    ax.set_xticks(range(len(configs)), [f"{c.config}\nC={c.concurrency}" for c in configs])
-    ax.set_yscale("log")
-    ax.set_ylabel("apply host time, median (us)")
-    env = result.env
-    ax.set_title(f"multiwrite {env['multiwrite']}: {result.backend} on {env['device_name']} ({result.timestamp[:10]})")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def launch_lines(r: LaunchResult) -> list[str]:
+    """The `--launch` section of the terminal report."""
+    head = "launch (--launch): host time per apply next to one empty Triton launch; median us, lower is better"
+    out = ["", head]
+    out.append(f"  launch path of the default backend: {r.launch_path or '-'}")
+    out.append("  same loop: each step stages, applies, synchronizes, then one empty launch; x: ratio of medians")
+    out += format_table(
+        ["config", "C", "launcher", "guard", "apply", "apply p99", "empty", "apply x", "step", "step x"],
+        [[x["config"], str(x["C"]), x["launcher"], x["guard"], f"{x['apply_us']:.2f}", f"{x['apply_p99_us']:.2f}",
+          f"{x['empty_us']:.2f}", f"{x['apply_x_empty']:.2f}", f"{x['step_us']:.2f}", f"{x['step_x_empty']:.2f}"]
+         for x in r.same_loop],
+    )  # fmt: skip
+    out.append("  tight loop: a captured G3 decode apply alone (no staging), a synchronize every 50 calls")
+    out += format_table(
+        ["config", "C", "writes", "apply", "empty", "apply x"],
+        [[x["config"], str(x["C"]), str(x["writes"]), f"{x['apply_us']:.2f}", f"{x['empty_us']:.2f}",
+          f"{x['apply_x_empty']:.2f}"] for x in r.tight_loop],
+    )  # fmt: skip
+    if r.device:
+        out.append("  device time, CUDA events around work queued behind a sleep (launch submission excluded), us:")
+        out += [f"    {k}: {v:.2f}" for k, v in r.device.items()]
+    else:
+        out.append("  device time behind a sleep: not measured off a GPU")
+    return out

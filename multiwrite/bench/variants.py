@@ -280,7 +280,7 @@ class TritonLaunchFloor(Floor):
     name = "floor-triton"
 
     def __init__(self, device: torch.device):
-        from multiwrite.bench_triton import empty_kernel  # imports Triton only on a GPU run
+        from multiwrite.bench.floor_kernel import empty_kernel  # imports Triton only on a GPU run
 
         self._kernel = empty_kernel
         self._x = torch.zeros(1, dtype=torch.int32, device=device)

@@ -18,11 +18,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
 
-from multiwrite.bench_variants import VARIANTS, Mismatch, Snapshot, compare, floors
+from multiwrite.bench.variants import VARIANTS, Mismatch, Snapshot, compare, floors
 from multiwrite.block_tables import BlockTables
 from multiwrite.environment import synchronize
 from multiwrite.reference import ReferenceBlockTables
@@ -331,6 +332,8 @@ class BenchResult:
         trace: where the trace came from, and its number of requests.
         interpreted: the backend ran its kernels through Triton's interpreter (`TRITON_INTERPRET=1` on a
             CPU device): its times measure the interpreter, so no goal is judged.
+        quick: fewer steps or burst repetitions than the goals were set on (`--quick`, or smaller
+            options): the goal verdicts are indicative only.
     """
 
     timestamp: str
@@ -342,6 +345,8 @@ class BenchResult:
     configs: list[ConfigResult] = field(default_factory=list)
     burst: BurstResult | None = None
     interpreted: bool = False
+    quick: bool = False
+    launch: Any = None  # a `bench.launch.LaunchResult` with --launch
 
     @property
     def gpu(self) -> bool:
@@ -361,4 +366,37 @@ class BenchResult:
         if self.burst is not None and self.burst.mismatch is not None:
             m = self.burst.mismatch
             out.append(f"fused prefill burst: {m.cells} cells differ from the expected tables; first: {m.first}")
+        if self.launch is not None:
+            out += self.launch.failures()
         return out
+
+
+def memory_needed(opts, device: torch.device) -> tuple[int, int, str]:
+    """(host bytes, device bytes, the options responsible) of the largest part of a run of `opts` (a
+    `command.BenchOptions`), about: the configurations run one after another, so the largest counts.
+
+    Per configuration: the int32 tables of every variant (twice on a GPU: the device pass uses fresh
+    ones), the int64 reference, host snapshots. The burst: its int32 tables, the staged values (grown
+    by doubling), the Python lists of manager ids (about 36 bytes an id), the int64 expected tables, a
+    snapshot, and the copy's source and destination.
+    """
+    gpu = device.type == "cuda"
+    parts: list[tuple[int, int, str]] = []
+    for config in opts.configs:
+        block_sizes, kbs = CONFIGS[config]
+        widths = max_blocks_per_group(block_sizes)
+        cells = sum(w * (bs // k) for w, bs, k in zip(widths, block_sizes, kbs)) + len(block_sizes)
+        for c in opts.concurrency:
+            tables = c * cells * 4 * len(VARIANTS) * (2 if gpu else 1)
+            host = c * cells * (8 + 4 * len(VARIANTS))
+            parts.append((host, tables, f"--concurrency {c} (configuration {config})"))
+    if opts.burst_reps:
+        ids = opts.burst_requests * opts.burst_ids * 3
+        cells = opts.burst_requests * opts.burst_ids * sum(bs // k for bs, k in zip(*CONFIGS["G3"]))
+        host = ids * (36 + 8) + cells * (8 + 4 + 8 + 4)
+        parts.append((host, cells * 8, f"--burst-requests {opts.burst_requests} --burst-ids {opts.burst_ids}"))
+
+    def total(p: tuple[int, int, str]) -> int:
+        return p[0] + p[1]
+
+    return max(parts, key=total) if parts else (0, 0, "")

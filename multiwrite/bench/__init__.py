@@ -1,0 +1,7 @@
+"""`multiwrite bench`: the fused writer side by side with per-group and naive writes on the real trace.
+
+Modules, lowest first: `floor_kernel` (the empty Triton kernel of the GPU floor), `variants` (the designs
+compared and their check against the reference), `runner` (the timed replay and the prefill burst),
+`glossary` (the terms every output defines), `report` (terminal tables, goals, CSV), `plot` (the figure),
+`command` (the `bench` subcommand). Nothing here is imported by the library itself.
+"""
