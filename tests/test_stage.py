@@ -78,7 +78,13 @@ def test_slot_mapping_with_padding_mask_and_padded_tokens(backend):
     # (token 4 is padding); tokens 6 and 7 are past the last entry
     positions = vec([1, -99, 3, 4, 5, 2, 10**6, -5], I64)
     slots = bt.compute_slot_mappings(vec([2, 0]), vec([0, 4, 6]), positions, 8, is_padding=is_padding)
-    assert host(slots).tolist() == [[7 * 4 + 1, PAD_SLOT_ID, 7 * 4 + 3, 8 * 4 + 0, PAD_SLOT_ID, 3 * 4 + 2, -1, -1]]
+    expected = [[7 * 4 + 1, PAD_SLOT_ID, 7 * 4 + 3, 8 * 4 + 0, PAD_SLOT_ID, 3 * 4 + 2, -1, -1]]
+    assert host(slots).tolist() == expected
+    assert host(bt.slot_mappings)[0, 8:].tolist() == [PAD_SLOT_ID] * 4
+    bt.slot_mappings.fill_(5)
+    # the same through prepare_inputs (a backend's own stage, where it has one)
+    _, slots = bt.prepare_inputs(vec([2, 0]), vec([0, 4, 6]), positions, 3, 8, is_padding=is_padding)
+    assert host(slots).tolist() == expected
     assert host(bt.slot_mappings)[0, 8:].tolist() == [PAD_SLOT_ID] * 4
 
 
