@@ -7,7 +7,8 @@ batch entry `b < num_reqs` copies the request's first `num_blocks` cells into `i
 writes the slots of the entry's tokens; `num_reqs <= b < num_reqs_padded` zeroes its row; the last program
 of each group pads the slots from `query_start_loc[num_reqs]` to `max_num_batched_tokens` with -1.
 
-It runs after the apply launch on the same stream, so a step's stage is two launches on a GPU. Folding the
+It runs after the apply launch on the same stream, so a step's stage is two launches on a GPU (the standalone
+`gather_block_tables` and `compute_slot_mappings` are one launch each, of the same kernel). Folding the
 apply into the same launch (each gathering program overlaying its row's staged writes on what it reads, so
 no grid-wide barrier is needed) is the next step; it needs the apply kernel's pinned ring and slot guard.
 """
@@ -47,6 +48,8 @@ def _stage_kernel_fn(
     CP_SIZE: tl.constexpr,
     CP_INTERLEAVE: tl.constexpr,
     HAS_PADDING: tl.constexpr,
+    DO_GATHER: tl.constexpr,
+    DO_SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     g = tl.program_id(0)
@@ -63,50 +66,54 @@ def _stage_kernel_fn(
         req = tl.load(idx_ptr + b).to(tl.int64)
         src_row = src + req * src_stride
         dst_row = dst + b.to(tl.int64) * dst_stride
-        count = tl.load(num_blocks_ptr + g * nb_stride + req)
-        for c in range(0, count, BLOCK):
-            cols = c + lanes
-            keep = cols < count
-            tl.store(dst_row + cols, tl.load(src_row + cols, mask=keep), mask=keep)
-        block = tl.load(desc + 5)
-        kbs = tl.load(desc + 6)
-        k = tl.load(desc + 7)
-        start = tl.load(qsl_ptr + b).to(tl.int64)
-        end = tl.load(qsl_ptr + b + 1).to(tl.int64)
-        for t in range(start, end, BLOCK):
-            tokens = t + lanes
-            inside = tokens < end
-            pos = tl.load(pos_ptr + tokens, mask=inside, other=0).to(tl.int64)
-            live = inside
-            if HAS_PADDING:
-                live = live & (tl.load(pad_ptr + tokens, mask=inside, other=1) == 0)
-            pos = tl.where(live, pos, 0)  # junk positions under padding never reach an address
-            if CP_SIZE == 1:
-                column = pos // kbs
-                offset = pos % kbs
-                owned = live
-            else:
-                # ownership and the rank-local offset in manager-block coordinates (vLLM PR #51031)
-                virtual = block * CP_SIZE
-                vblock = pos // virtual
-                within = pos % virtual
-                owned = live & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
-                local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
-                column = vblock * k + local // kbs
-                offset = local % kbs
-            column = tl.minimum(tl.maximum(column, 0), width - 1)
-            ids = tl.load(src_row + column, mask=owned, other=0).to(tl.int64)
-            tl.store(slots + tokens, tl.where(owned, ids * kbs + offset, PAD), mask=inside)
+        if DO_GATHER:
+            count = tl.load(num_blocks_ptr + g * nb_stride + req)
+            for c in range(0, count, BLOCK):
+                cols = c + lanes
+                keep = cols < count
+                tl.store(dst_row + cols, tl.load(src_row + cols, mask=keep), mask=keep)
+        if DO_SLOTS:
+            block = tl.load(desc + 5)
+            kbs = tl.load(desc + 6)
+            k = tl.load(desc + 7)
+            start = tl.load(qsl_ptr + b).to(tl.int64)
+            end = tl.load(qsl_ptr + b + 1).to(tl.int64)
+            for t in range(start, end, BLOCK):
+                tokens = t + lanes
+                inside = tokens < end
+                pos = tl.load(pos_ptr + tokens, mask=inside, other=0).to(tl.int64)
+                live = inside
+                if HAS_PADDING:
+                    live = live & (tl.load(pad_ptr + tokens, mask=inside, other=1) == 0)
+                pos = tl.where(live, pos, 0)  # junk positions under padding never reach an address
+                if CP_SIZE == 1:
+                    column = pos // kbs
+                    offset = pos % kbs
+                    owned = live
+                else:
+                    # ownership and the rank-local offset in manager-block coordinates (vLLM PR #51031)
+                    virtual = block * CP_SIZE
+                    vblock = pos // virtual
+                    within = pos % virtual
+                    owned = live & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
+                    local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
+                    column = vblock * k + local // kbs
+                    offset = local % kbs
+                column = tl.minimum(tl.maximum(column, 0), width - 1)
+                ids = tl.load(src_row + column, mask=owned, other=0).to(tl.int64)
+                tl.store(slots + tokens, tl.where(owned, ids * kbs + offset, PAD), mask=inside)
     elif b < num_reqs_padded:
-        dst_row = dst + b.to(tl.int64) * dst_stride
-        for c in range(0, width, BLOCK):
-            cols = c + lanes
-            tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < width)
+        if DO_GATHER:
+            dst_row = dst + b.to(tl.int64) * dst_stride
+            for c in range(0, width, BLOCK):
+                cols = c + lanes
+                tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < width)
     else:
-        first = tl.load(qsl_ptr + num_reqs).to(tl.int64)
-        for t in range(first, max_tokens, BLOCK):
-            tokens = t + lanes
-            tl.store(slots + tokens, tl.full([BLOCK], PAD, tl.int64), mask=tokens < max_tokens)
+        if DO_SLOTS:
+            first = tl.load(qsl_ptr + num_reqs).to(tl.int64)
+            for t in range(first, max_tokens, BLOCK):
+                tokens = t + lanes
+                tl.store(slots + tokens, tl.full([BLOCK], PAD, tl.int64), mask=tokens < max_tokens)
 
 
 _stage_kernel = triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)(_stage_kernel_fn)
@@ -155,20 +162,24 @@ def _descriptor_table(stage: StageInputs) -> torch.Tensor:
 
 
 def launch_stage(stage: StageInputs) -> None:
-    """Gather and compute slot mappings for `stage` in one launch on the current stream (no host sync).
+    """The jobs `stage` asks for (gather, slot mappings, or both) in one launch on the current stream.
 
     Leaves `input_block_tables` and `slot_mappings` exactly as `multiwrite.stage.run_stage_torch` does for
-    inputs that pass `BlockTables`' checks; `stage` must ask for both jobs.
+    inputs that pass `BlockTables`' checks; no host synchronization.
     """
-    assert stage.do_gather and stage.do_slots and stage.slot_mappings is not None
+    if not (stage.do_gather or stage.do_slots):
+        return
     slots = stage.slot_mappings
+    if slots is None:  # a gather of tables built without max_num_batched_tokens: any int64 buffer will do
+        slots = stage.num_blocks.new_empty((1, 1), dtype=torch.int64)
     padding = stage.is_padding
     grid = (len(stage.tables), stage.num_reqs_padded + 1)
     _stage_kernel[grid](
-        _descriptor_table(stage), stage.num_blocks, stage.num_blocks.stride(0),
-        stage.idx_mapping, stage.query_start_loc, stage.positions,
+        _descriptor_table(stage), stage.num_blocks, stage.num_blocks.stride(0), stage.idx_mapping,
+        slots if stage.query_start_loc is None else stage.query_start_loc,
+        slots if stage.positions is None else stage.positions,
         slots if padding is None else padding.view(torch.uint8), slots, slots.stride(0),
         stage.num_reqs, stage.num_reqs_padded, slots.shape[1], stage.cp_rank,
         CP_SIZE=stage.cp_size, CP_INTERLEAVE=stage.cp_interleave, HAS_PADDING=padding is not None,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        DO_GATHER=stage.do_gather, DO_SLOTS=stage.do_slots, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip

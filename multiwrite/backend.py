@@ -131,7 +131,9 @@ class Backend:
         """Optional: a step's whole block-table stage in one call (one launch on a GPU, if you can).
 
         `BlockTables.prepare_inputs` calls it exactly once per call, instead of `apply`, with the batches
-        `apply` would have received (an empty list when nothing was staged) and `stage`, a
+        `apply` would have received (an empty list when nothing was staged); `BlockTables.gather_block_tables`
+        and `compute_slot_mappings` call it with no batches and one job (`stage.do_gather`, `stage.do_slots`
+        say which jobs are asked for). `stage` is a
         `multiwrite.stage.StageInputs`: the source tables, `num_blocks`, the persistent outputs
         (`input_block_tables`, `slot_mappings`), block and kernel block sizes, context-parallel settings,
         and the step's inputs (`idx_mapping`, `query_start_loc`, `positions`, `is_padding`, already checked

@@ -442,7 +442,7 @@ def gather_block_tables(bt: BlockTables, idx_mapping: torch.Tensor, num_reqs_pad
     """`BlockTables.gather_block_tables` (documented there)."""
     _refuse_capture(bt, "gather_block_tables")
     stage = _build(bt, "gather_block_tables", idx_mapping, num_reqs_padded)
-    gather_block_tables_torch(stage)
+    bt.backend.prepare_inputs([], stage)  # the backend's own stage where it has one (do_slots is false)
     return stage.gathered()
 
 
@@ -459,7 +459,7 @@ def compute_slot_mappings(
     stage = _build(
         bt, "compute_slot_mappings", idx_mapping, None, query_start_loc, positions, num_tokens_padded, is_padding
     )
-    compute_slot_mappings_torch(stage)
+    bt.backend.prepare_inputs([], stage)  # the backend's own stage where it has one (do_gather is false)
     return stage.slots()
 
 

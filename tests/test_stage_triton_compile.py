@@ -1,7 +1,8 @@
 """The stage kernel (`backends/triton_stage.py`) compiles to machine code for NVIDIA and AMD targets, no GPU.
 
-Each variant the launcher can produce is compiled: without and with context parallelism, without and with an
-`is_padding` mask, int32 and int64 index inputs. Compiling runs in a fresh process without TRITON_INTERPRET.
+Variants the launcher produces are compiled: without and with context parallelism, without and with an
+`is_padding` mask, int32 and int64 index inputs, both jobs or one. Compiling runs in a fresh process without
+TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -19,8 +20,13 @@ from multiwrite.backends import triton_stage as ts  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 TARGETS = [("cuda", 80, 32), ("cuda", 90, 32), ("hip", "gfx90a", 64), ("hip", "gfx942", 64), ("hip", "gfx1100", 32)]
-#: (name, index dtype, position dtype, CP_SIZE, CP_INTERLEAVE, HAS_PADDING)
-VARIANTS = [("plain", "*i32", "*i64", 1, 1, False), ("cp-padded", "*i64", "*i32", 4, 2, True)]
+#: (name, index dtype, position dtype, CP_SIZE, CP_INTERLEAVE, HAS_PADDING, DO_GATHER, DO_SLOTS)
+VARIANTS = [
+    ("both", "*i32", "*i64", 1, 1, False, True, True),
+    ("cp-padded", "*i64", "*i32", 4, 2, True, True, True),
+    ("gather", "*i32", "*i64", 1, 1, False, True, False),
+    ("slots", "*i32", "*i64", 2, 1, True, False, True),
+]
 
 
 def _signature(idx: str, pos: str) -> dict[str, str]:
@@ -28,7 +34,8 @@ def _signature(idx: str, pos: str) -> dict[str, str]:
         "desc_ptr": "*i64", "num_blocks_ptr": "*i32", "nb_stride": "i64", "idx_ptr": idx, "qsl_ptr": "*i32",
         "pos_ptr": pos, "pad_ptr": "*u8", "slot_ptr": "*i64", "slot_stride": "i64", "num_reqs": "i32",
         "num_reqs_padded": "i32", "max_tokens": "i32", "cp_rank": "i32", "CP_SIZE": "constexpr",
-        "CP_INTERLEAVE": "constexpr", "HAS_PADDING": "constexpr", "BLOCK": "constexpr",
+        "CP_INTERLEAVE": "constexpr", "HAS_PADDING": "constexpr", "DO_GATHER": "constexpr", "DO_SLOTS": "constexpr",
+        "BLOCK": "constexpr",
     }  # fmt: skip
 
 
@@ -37,8 +44,9 @@ def _worker() -> None:
     fn = ts.compilable_kernel()
     assert [p.name for p in fn.params] == list(_signature("*i32", "*i64"))
     for backend, arch, warp_size in TARGETS:
-        for name, idx, pos, cp, interleave, padding in VARIANTS:
-            constexprs = {"CP_SIZE": cp, "CP_INTERLEAVE": interleave, "HAS_PADDING": padding, "BLOCK": ts.BLOCK}
+        for name, idx, pos, cp, interleave, padding, gather, slots in VARIANTS:
+            constexprs = {"CP_SIZE": cp, "CP_INTERLEAVE": interleave, "HAS_PADDING": padding, "DO_GATHER": gather,
+                          "DO_SLOTS": slots, "BLOCK": ts.BLOCK}  # fmt: skip
             src = triton.compiler.ASTSource(fn=fn, signature=_signature(idx, pos), constexprs=constexprs)
             k = triton.compile(
                 src, target=GPUTarget(backend, arch, warp_size), options={"num_warps": ts.NUM_WARPS, "num_stages": 1}
