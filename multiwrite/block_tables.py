@@ -57,6 +57,11 @@ class BlockTables:
         num_blocks_device: int32 tensor `[num_groups, max_num_reqs]` on `device`: `num_blocks` as of the
             last `apply_staged_writes()`: each `append_block_ids` stages the request's new counts as one
             more write, applied by the same backend call (the same kernel launch on a GPU).
+        input_block_tables: per group a persistent int32 `[max_num_reqs, width_g]` tensor on `device`, the
+            target of `gather_block_tables` (its address never changes).
+        slot_mappings: persistent int64 `[num_groups, max_num_batched_tokens]` on `device`, the target of
+            `compute_slot_mappings`; None without `max_num_batched_tokens`.
+        max_num_batched_tokens, cp_size, cp_rank, cp_interleave: the constructor's values.
 
     The rest of a step's block-table stage (`input_block_tables`, `slot_mappings`, `gather_block_tables`,
     `compute_slot_mappings`, `prepare_inputs`) is documented on those methods and in `multiwrite/stage.py`.
@@ -155,7 +160,13 @@ class BlockTables:
         self._context_view = ctx.data  # int64 stores without numpy scalar overhead
         self._refresh_context()
         # The gather and slot-mapping stage (multiwrite/stage.py): buffers of its own, outside the storage above.
-        _stage.init_stage(self, max_num_batched_tokens, cp_size, cp_rank, cp_interleave)
+        config = self._stage_config = _stage.init_stage(self, max_num_batched_tokens, cp_size, cp_rank, cp_interleave)
+        self.input_block_tables: list[torch.Tensor] = config.input_block_tables
+        self.slot_mappings: torch.Tensor | None = config.slot_mappings
+        self.max_num_batched_tokens: int | None = config.max_num_batched_tokens
+        self.cp_size: int = config.cp_size
+        self.cp_rank: int = config.cp_rank
+        self.cp_interleave: int = config.cp_interleave
 
     @property
     def num_groups(self) -> int:

@@ -115,6 +115,28 @@ class StageInputs:
         "_tokens",
     )
 
+    tables: list[torch.Tensor]
+    num_blocks: torch.Tensor
+    input_block_tables: list[torch.Tensor]
+    slot_mappings: torch.Tensor | None
+    block_sizes: list[int]
+    kernel_block_sizes: list[int]
+    kernel_blocks_per_block: list[int]
+    cp_size: int
+    cp_rank: int
+    cp_interleave: int
+    idx_mapping: torch.Tensor
+    query_start_loc: torch.Tensor | None
+    positions: torch.Tensor | None
+    is_padding: torch.Tensor | None
+    num_reqs: int
+    num_reqs_padded: int
+    num_tokens_padded: int
+    do_gather: bool
+    do_slots: bool
+    _columns: torch.Tensor
+    _tokens: torch.Tensor | None
+
     def gathered(self) -> tuple[torch.Tensor, ...]:
         """`input_block_tables[g][:num_reqs_padded]` for every group (views, fixed addresses)."""
         return tuple(t[: self.num_reqs_padded] for t in self.input_block_tables)
@@ -128,7 +150,19 @@ class StageInputs:
 class _StageConfig:
     """What `BlockTables` keeps for the stage: its constructor arguments and persistent buffers."""
 
-    __slots__ = ("max_num_batched_tokens", "cp_size", "cp_rank", "cp_interleave", "columns", "tokens")
+    __slots__ = (
+        "max_num_batched_tokens", "cp_size", "cp_rank", "cp_interleave", "columns", "tokens",
+        "input_block_tables", "slot_mappings",
+    )  # fmt: skip
+
+    max_num_batched_tokens: int | None
+    cp_size: int
+    cp_rank: int
+    cp_interleave: int
+    columns: torch.Tensor
+    tokens: torch.Tensor | None
+    input_block_tables: list[torch.Tensor]
+    slot_mappings: torch.Tensor | None
 
 
 def _int_arg(what: str, value: Any, low: int) -> int:
@@ -145,8 +179,8 @@ def _int_arg(what: str, value: Any, low: int) -> int:
 
 def init_stage(
     bt: BlockTables, max_num_batched_tokens: int | None, cp_size: int, cp_rank: int, cp_interleave: int
-) -> None:
-    """Check the stage's constructor arguments and allocate `bt.input_block_tables` and `bt.slot_mappings`.
+) -> _StageConfig:
+    """Check the stage's constructor arguments; allocate the `input_block_tables` and `slot_mappings` of `bt`.
 
     The buffers are allocations of their own (the tables' shared storage is not touched) and never move.
 
@@ -175,18 +209,15 @@ def init_stage(
     R = bt.max_num_reqs
     storage = torch.zeros(R * sum(widths), dtype=torch.int32, device=device)
     offsets = np.cumsum([0, *(R * w for w in widths)]).tolist()
-    bt.input_block_tables = [storage[offsets[g] : offsets[g + 1]].view(R, w) for g, w in enumerate(widths)]
+    config.input_block_tables = [storage[offsets[g] : offsets[g + 1]].view(R, w) for g, w in enumerate(widths)]
     config.columns = torch.arange(max(widths), device=device)
     if config.max_num_batched_tokens is None:
-        bt.slot_mappings = None
-        config.tokens = None
+        config.slot_mappings = config.tokens = None
     else:
         n = config.max_num_batched_tokens
-        bt.slot_mappings = torch.full((len(widths), n), PAD_SLOT_ID, dtype=torch.int64, device=device)
+        config.slot_mappings = torch.full((len(widths), n), PAD_SLOT_ID, dtype=torch.int64, device=device)
         config.tokens = torch.arange(n, device=device)
-    bt.max_num_batched_tokens = config.max_num_batched_tokens
-    bt.cp_size, bt.cp_rank, bt.cp_interleave = config.cp_size, config.cp_rank, config.cp_interleave
-    bt._stage_config = config
+    return config
 
 
 # -------------------------------------------------------------------------------------------------
@@ -289,7 +320,7 @@ def _build(
     s.num_tokens_padded = 0
     if not s.do_slots:
         return s
-    if bt.slot_mappings is None:
+    if bt.slot_mappings is None or config.max_num_batched_tokens is None:
         raise StageInputError(
             f"{what}: these BlockTables were built without max_num_batched_tokens, so they have no "
             "slot_mappings buffer; pass max_num_batched_tokens= to the constructor"
@@ -388,23 +419,23 @@ def compute_slot_mappings_torch(stage: StageInputs) -> None:
     into the row, so an input the caller did not check (values of device tensors) never reads outside a
     table, it only gets a wrong slot.
     """
-    out = stage.slot_mappings
-    assert out is not None
+    out, qsl, positions, tokens = stage.slot_mappings, stage.query_start_loc, stage.positions, stage._tokens
+    assert out is not None and qsl is not None and positions is not None and tokens is not None
     n, T = stage.num_reqs, stage.num_tokens_padded
     out[:, T:].fill_(PAD_SLOT_ID)
     if T == 0:
         return
-    if n == 0 or stage.positions.shape[0] == 0:
+    if n == 0 or positions.shape[0] == 0:
         out[:, :T].fill_(PAD_SLOT_ID)
         return
-    i = stage._tokens[:T]
-    qsl = stage.query_start_loc[: n + 1].long()
+    i = tokens[:T]
+    qsl = qsl[: n + 1].long()
     batch = torch.searchsorted(qsl[1:], i, right=True).clamp_(max=n - 1)
     live = (i >= qsl[0]) & (i < qsl[n])
     if stage.is_padding is not None:
         live &= ~stage.is_padding[:T]
     req = stage.idx_mapping.long().index_select(0, batch)
-    pos = stage.positions.index_select(0, i.clamp(max=stage.positions.shape[0] - 1)).long()
+    pos = positions.index_select(0, i.clamp(max=positions.shape[0] - 1)).long()
     C, ilv, rank = stage.cp_size, stage.cp_interleave, stage.cp_rank
     for g, (src, bs, kbs, k) in enumerate(
         zip(stage.tables, stage.block_sizes, stage.kernel_block_sizes, stage.kernel_blocks_per_block)
