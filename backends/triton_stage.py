@@ -28,7 +28,10 @@ DESC_COLUMNS = 8
 #: Kernel parameters that vary per step; none may become a specialization key (no recompiles).
 #: The slot of a token nobody stores, as a compile-time constant of the kernel.
 PAD: tl.constexpr = tl.constexpr(PAD_SLOT_ID)
-DO_NOT_SPECIALIZE = ("desc_ptr", "num_reqs", "num_reqs_padded", "max_tokens", "cp_rank", "nb_stride", "slot_stride")
+DO_NOT_SPECIALIZE = (
+    "desc_ptr", "num_reqs", "num_reqs_padded", "max_tokens", "num_positions", "max_num_reqs", "cp_rank", "nb_stride",
+    "slot_stride",
+)  # fmt: skip
 
 
 def _stage_kernel_fn(
@@ -44,6 +47,8 @@ def _stage_kernel_fn(
     num_reqs,
     num_reqs_padded,
     max_tokens,
+    num_positions,  # entries of pos_ptr
+    max_num_reqs,  # rows of the tables
     cp_rank,
     CP_SIZE: tl.constexpr,
     CP_INTERLEAVE: tl.constexpr,
@@ -63,7 +68,9 @@ def _stage_kernel_fn(
     width = tl.load(desc + 4)
     slots = slot_ptr + g * slot_stride
     if b < num_reqs:
-        req = tl.load(idx_ptr + b).to(tl.int64)
+        # Device inputs are not checked on the host: clamp what becomes an address, so that a bad value
+        # gives wrong slots (as the torch path does) but never touches memory outside the buffers.
+        req = tl.minimum(tl.maximum(tl.load(idx_ptr + b).to(tl.int64), 0), max_num_reqs - 1)
         src_row = src + req * src_stride
         dst_row = dst + b.to(tl.int64) * dst_stride
         if DO_GATHER:
@@ -80,8 +87,8 @@ def _stage_kernel_fn(
             end = tl.load(qsl_ptr + b + 1).to(tl.int64)
             for t in range(start, end, BLOCK):
                 tokens = t + lanes
-                inside = tokens < end
-                pos = tl.load(pos_ptr + tokens, mask=inside, other=0).to(tl.int64)
+                inside = (tokens < end) & (tokens >= 0) & (tokens < max_tokens)
+                pos = tl.load(pos_ptr + tokens, mask=inside & (tokens < num_positions), other=0).to(tl.int64)
                 live = inside
                 if HAS_PADDING:
                     live = live & (tl.load(pad_ptr + tokens, mask=inside, other=1) == 0)
@@ -110,7 +117,7 @@ def _stage_kernel_fn(
                 tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < width)
     else:
         if DO_SLOTS:
-            first = tl.load(qsl_ptr + num_reqs).to(tl.int64)
+            first = tl.maximum(tl.load(qsl_ptr + num_reqs).to(tl.int64), 0)
             for t in range(first, max_tokens, BLOCK):
                 tokens = t + lanes
                 tl.store(slots + tokens, tl.full([BLOCK], PAD, tl.int64), mask=tokens < max_tokens)
@@ -179,7 +186,8 @@ def launch_stage(stage: StageInputs) -> None:
         slots if stage.query_start_loc is None else stage.query_start_loc,
         slots if stage.positions is None else stage.positions,
         slots if padding is None else padding.view(torch.uint8), slots, slots.stride(0),
-        stage.num_reqs, stage.num_reqs_padded, slots.shape[1], stage.cp_rank,
+        stage.num_reqs, stage.num_reqs_padded, slots.shape[1],
+        0 if stage.positions is None else stage.positions.shape[0], stage.num_blocks.shape[1], stage.cp_rank,
         CP_SIZE=stage.cp_size, CP_INTERLEAVE=stage.cp_interleave, HAS_PADDING=padding is not None,
         DO_GATHER=stage.do_gather, DO_SLOTS=stage.do_slots, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -402,7 +402,7 @@ def gather_block_tables_torch(stage: StageInputs) -> None:
     One `index_select` and one masked copy per group (no loop over requests); padding rows are zeroed.
     """
     n, padded = stage.num_reqs, stage.num_reqs_padded
-    idx = stage.idx_mapping.long()
+    idx = stage.idx_mapping.long().clamp(0, stage.num_blocks.shape[1] - 1)  # see compute_slot_mappings_torch
     for g, (src, out) in enumerate(zip(stage.tables, stage.input_block_tables)):
         if n:
             width = out.shape[1]
@@ -415,9 +415,9 @@ def gather_block_tables_torch(stage: StageInputs) -> None:
 def compute_slot_mappings_torch(stage: StageInputs) -> None:
     """Compute `stage.slot_mappings[:, :num_tokens_padded]` (and pad the rest) with torch ops, no host sync.
 
-    Each token finds its batch entry by a binary search over `query_start_loc`; table columns are clamped
-    into the row, so an input the caller did not check (values of device tensors) never reads outside a
-    table, it only gets a wrong slot.
+    Each token finds its batch entry by a binary search over `query_start_loc`; request rows and table
+    columns are clamped into the tables, so an input nobody checked (values of device tensors) never reads
+    outside a table nor raises a device-side assert: it only gets wrong slots.
     """
     out, qsl, positions, tokens = stage.slot_mappings, stage.query_start_loc, stage.positions, stage._tokens
     assert out is not None and qsl is not None and positions is not None and tokens is not None
@@ -434,7 +434,7 @@ def compute_slot_mappings_torch(stage: StageInputs) -> None:
     live = (i >= qsl[0]) & (i < qsl[n])
     if stage.is_padding is not None:
         live &= ~stage.is_padding[:T]
-    req = stage.idx_mapping.long().index_select(0, batch)
+    req = stage.idx_mapping.long().index_select(0, batch).clamp_(0, stage.num_blocks.shape[1] - 1)
     pos = positions.index_select(0, i.clamp(max=positions.shape[0] - 1)).long()
     C, ilv, rank = stage.cp_size, stage.cp_interleave, stage.cp_rank
     for g, (src, bs, kbs, k) in enumerate(

@@ -12,7 +12,7 @@ import torch
 
 from multiwrite import BlockTables
 from multiwrite.reference import PAD_SLOT_ID
-from multiwrite.stage import StageInputError
+from multiwrite.stage import StageInputError, _build
 
 I32, I64 = torch.int32, torch.int64
 
@@ -238,3 +238,20 @@ def test_padding_tokens_and_other_ranks_tokens_are_not_checked():
     assert host(slots).tolist() == [[12, 15, -1, -1]]
     with pytest.raises(StageInputError, match="position 8 needs kernel block column 1 of group 0"):
         bt.compute_slot_mappings(vec([0]), vec([0, 1]), vec([8], I64), 1)
+
+
+def test_unchecked_device_values_stay_inside_the_buffers(backend):
+    """Values of device inputs are not read on the host (that would synchronize); bad ones may give wrong
+    slots but must never write outside the output buffers or read outside the tables."""
+    bt = BlockTables([4, 8], 2, [2, 2], backend.device, [4, 4], backend=backend.name, max_num_batched_tokens=4)
+    bt.append_block_ids(1, ([1], [2]), overwrite=True)
+    bt.apply_staged_writes()
+    stage = _build(bt, "test", vec([1]), 2, vec([0, 1]), vec([0], I64), 4)  # valid, then spoiled:
+    guarded = torch.full((2, 12), 77, dtype=torch.int64, device=backend.device)
+    stage.slot_mappings = guarded[:, 2:6]  # each group's row between guard cells
+    stage.idx_mapping = vec([9]).to(backend.device)  # past the tables' rows
+    stage.query_start_loc = vec([-3, 11]).to(backend.device)  # before the first token, past the last
+    stage.positions = vec([5], I64).to(backend.device)  # fewer positions than the tokens claimed
+    bt.backend.prepare_inputs([], stage)
+    assert (host(guarded)[:, :2] == 77).all() and (host(guarded)[:, 6:] == 77).all()
+    assert host(bt.input_block_tables[0]).shape == (2, 2) and (host(bt.input_block_tables[0])[1] == 0).all()

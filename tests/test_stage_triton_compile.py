@@ -33,7 +33,8 @@ def _signature(idx: str, pos: str) -> dict[str, str]:
     return {
         "desc_ptr": "*i64", "num_blocks_ptr": "*i32", "nb_stride": "i64", "idx_ptr": idx, "qsl_ptr": "*i32",
         "pos_ptr": pos, "pad_ptr": "*u8", "slot_ptr": "*i64", "slot_stride": "i64", "num_reqs": "i32",
-        "num_reqs_padded": "i32", "max_tokens": "i32", "cp_rank": "i32", "CP_SIZE": "constexpr",
+        "num_reqs_padded": "i32", "max_tokens": "i32", "num_positions": "i32", "max_num_reqs": "i32",
+        "cp_rank": "i32", "CP_SIZE": "constexpr",
         "CP_INTERLEAVE": "constexpr", "HAS_PADDING": "constexpr", "DO_GATHER": "constexpr", "DO_SLOTS": "constexpr",
         "BLOCK": "constexpr",
     }  # fmt: skip
