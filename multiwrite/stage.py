@@ -403,12 +403,15 @@ def gather_block_tables_torch(stage: StageInputs) -> None:
     """
     n, padded = stage.num_reqs, stage.num_reqs_padded
     idx = stage.idx_mapping.long().clamp(0, stage.num_blocks.shape[1] - 1)  # see compute_slot_mappings_torch
+    on_host = stage.num_blocks.device.type == "cpu"
     for g, (src, out) in enumerate(zip(stage.tables, stage.input_block_tables)):
         if n:
-            width = out.shape[1]
             counts = stage.num_blocks[g].index_select(0, idx)
+            # On the host, copy only up to the longest row of the batch (reading it costs nothing there);
+            # on a device that would synchronize, so the whole width is masked instead.
+            width = min(int(counts.max()), out.shape[1]) if on_host else out.shape[1]
             keep = stage._columns[:width].unsqueeze(0) < counts.unsqueeze(1)
-            out[:n] = torch.where(keep, src.index_select(0, idx), out[:n])
+            out[:n, :width] = torch.where(keep, src[:, :width].index_select(0, idx), out[:n, :width])
         out[n:padded].zero_()
 
 
