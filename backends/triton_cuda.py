@@ -147,6 +147,15 @@ class _TritonBackend(Backend):
         if batches:
             self.writer(batches[0].tables[0].device).apply(batches)
 
+    def prepare_inputs(self, batches: Sequence[WriteBatch], stage) -> None:
+        """The apply launch, then gather and slot mappings of every group in one more launch
+        (`multiwrite/backends/triton_stage.py`); see `Backend.prepare_inputs`."""
+        from multiwrite.backends.triton_stage import launch_stage
+
+        if batches:
+            self.apply(batches)
+        launch_stage(stage)
+
 
 def _cuda_device_reasons(device: torch.device) -> list[str]:
     """CUDA availability and the device index (shared by both GPU backends)."""

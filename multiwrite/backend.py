@@ -5,7 +5,7 @@ ranges included, is `docs/backends.md`."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ PRIORITY_FALLBACK = -100
 PRIORITY_BUILTIN_CPU = 0
 #: Priority of the built-in GPU backends (`triton-cuda`, `triton-rocm`).
 PRIORITY_BUILTIN_GPU = 100
+
+if TYPE_CHECKING:
+    from multiwrite.stage import StageInputs
 
 
 class WriteBatch:
@@ -172,3 +175,29 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.NAME!r}>"
+
+    def prepare_inputs(self, batches: Sequence[WriteBatch], stage: StageInputs) -> None:
+        """Optional: a step's whole block-table stage in one call (one launch on a GPU, if you can).
+
+        `BlockTables.prepare_inputs` calls it exactly once per call, instead of `apply`, with the batches
+        `apply` would have received (an empty list when nothing was staged); `BlockTables.gather_block_tables`
+        and `compute_slot_mappings` call it with no batches and one job (`stage.do_gather`, `stage.do_slots`
+        say which jobs are asked for). `stage` is a
+        `multiwrite.stage.StageInputs`: the source tables, `num_blocks`, the persistent outputs
+        (`input_block_tables`, `slot_mappings`), block and kernel block sizes, context-parallel settings,
+        and the step's inputs (`idx_mapping`, `query_start_loc`, `positions`, `is_padding`, already checked
+        and on the tables' device; `num_reqs`, `num_reqs_padded`, `num_tokens_padded`).
+
+        Contract: afterwards the tables, `num_blocks`, `input_block_tables` and `slot_mappings` must hold
+        exactly what `apply(batches)` followed by `multiwrite.stage.run_stage_torch(stage)` leaves there
+        (gather and slot mappings read the tables as the apply left them; see `multiwrite/stage.py` and
+        `multiwrite.reference` for the semantics). The same rules as `apply` hold: enqueue on the current
+        stream, do not synchronize, consume `batches` before returning.
+
+        The default does exactly that composition, so a backend that implements only `apply` stays correct.
+        """
+        from multiwrite.stage import run_stage_torch
+
+        if batches:
+            self.apply(batches)
+        run_stage_torch(stage)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from multiwrite import stage as _stage
 from multiwrite.backend import Backend
 from multiwrite.capture import refuse_capture
 from multiwrite.errors import StagedWriteError
@@ -53,6 +54,11 @@ class BlockTables:
             `g` expands each block id `b` into the `k = block_sizes[g] // kernel_block_sizes[g]` kernel
             block ids `b*k .. b*k+k-1`.
         backend: force a backend by name or instance (default: the best available for `device`).
+        max_num_batched_tokens: tokens a step may schedule: the width of `slot_mappings` (keyword only;
+            without it `compute_slot_mappings` and `prepare_inputs` are refused).
+        cp_size, cp_rank, cp_interleave: decode context parallelism as vLLM's: `cp_size` ranks, this one
+            `cp_rank`, the sequence dealt to them in chunks of `cp_interleave` tokens, which must divide
+            every block size when `cp_size > 1` (keyword only; default: no context parallelism).
 
     Attributes:
         block_tables: one `StagedWriteTensor` per group; `block_tables[g].tensor` is group `g`'s int32
@@ -62,6 +68,14 @@ class BlockTables:
         num_blocks_device: int32 tensor `[num_groups, max_num_reqs]` on `device`: `num_blocks` as of the
             last `apply_staged_writes()`: each `append_block_ids` stages the request's new counts as one
             more write, applied by the same backend call (the same kernel launch on a GPU).
+        input_block_tables: per group a persistent int32 `[max_num_reqs, width_g]` tensor on `device`, the
+            target of `gather_block_tables` (its address never changes).
+        slot_mappings: persistent int64 `[num_groups, max_num_batched_tokens]` on `device`, the target of
+            `compute_slot_mappings`; None without `max_num_batched_tokens`.
+        max_num_batched_tokens, cp_size, cp_rank, cp_interleave: the constructor's values.
+
+    The rest of a step's block-table stage (`input_block_tables`, `slot_mappings`, `gather_block_tables`,
+    `compute_slot_mappings`, `prepare_inputs`) is documented on those methods and in `multiwrite/stage.py`.
 
     `block_tables[g]` gives group `g`'s table; staging or clearing through it directly bypasses the
     `num_blocks` bookkeeping, so use `append_block_ids` and `clear_staged_writes` here.
@@ -90,6 +104,11 @@ class BlockTables:
         device: torch.device | str,
         kernel_block_sizes: Sequence[int] | None = None,
         backend: str | Backend | None = None,
+        *,
+        max_num_batched_tokens: int | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_interleave: int = 1,
     ):
         def ints(what: str, seq: Sequence[int]) -> list[int]:
             try:
@@ -187,6 +206,14 @@ class BlockTables:
         self._context_addr = ctx.ctypes.data
         self._context_view = ctx.data  # int64 stores without numpy scalar overhead
         self._refresh_context()
+        # The gather and slot-mapping stage (multiwrite/stage.py): buffers of its own, outside the storage above.
+        config = self._stage_config = _stage.init_stage(self, max_num_batched_tokens, cp_size, cp_rank, cp_interleave)
+        self.input_block_tables: list[torch.Tensor] = config.input_block_tables
+        self.slot_mappings: torch.Tensor | None = config.slot_mappings
+        self.max_num_batched_tokens: int | None = config.max_num_batched_tokens
+        self.cp_size: int = config.cp_size
+        self.cp_rank: int = config.cp_rank
+        self.cp_interleave: int = config.cp_interleave
 
     @property
     def num_groups(self) -> int:
@@ -430,4 +457,93 @@ class BlockTables:
             f"BlockTables(block_sizes={self.block_sizes}, kernel_block_sizes={self.kernel_block_sizes}, "
             f"max_num_reqs={self.max_num_reqs}, widths={self._widths}, device={self.device}, "
             f"backend={self.backend.NAME!r})"
+        )
+
+    def gather_block_tables(self, idx_mapping: torch.Tensor, num_reqs_padded: int) -> tuple[torch.Tensor, ...]:
+        """Gather the scheduled requests' rows into batch order in `input_block_tables` (vLLM's semantics).
+
+        Batch entry `b < num_reqs` gets the first `num_blocks[g, idx_mapping[b]]` cells of row
+        `idx_mapping[b]` of each group's table (its other cells keep what they held); rows `num_reqs ..
+        num_reqs_padded - 1` become zero. Reads the tables and `num_blocks_device` as the last apply left
+        them; on a GPU it enqueues torch ops on the current stream and does not synchronize.
+
+        Args:
+            idx_mapping: int32/int64 `[num_reqs]`, the request row of each batch entry, on the tables'
+                device or on the host (pinned memory for a GPU, copied asynchronously).
+            num_reqs_padded: `num_reqs <= num_reqs_padded <= max_num_reqs`.
+
+        Returns:
+            `input_block_tables[g][:num_reqs_padded]` per group: views of persistent int32 tensors whose
+            addresses never change.
+
+        Raises:
+            StageInputError: a wrong shape or dtype, `num_reqs` or `num_reqs_padded` above `max_num_reqs`, a
+                row outside `[0, max_num_reqs)` (checked for host inputs; device values are not read).
+            GraphCaptureError (RuntimeError until the graph work lands): called during CUDA graph capture.
+        """
+        return _stage.gather_block_tables(self, idx_mapping, num_reqs_padded)
+
+    def compute_slot_mappings(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The KV-cache slot of every scheduled token in every group: int64 `[num_groups, num_tokens_padded]`.
+
+        Token `i` of batch entry `b` (`query_start_loc[b] <= i < query_start_loc[b + 1]`) at position
+        `p = positions[i]` gets `table[g][idx_mapping[b], p // kbs] * kbs + p % kbs` with the group's kernel
+        block size `kbs`; with context parallelism, only the tokens this rank owns (each token has exactly
+        one owner, see `multiwrite/stage.py`) get a slot. Tokens past `query_start_loc[num_reqs]`, tokens
+        whose `is_padding` is true, and `slot_mappings[:, num_tokens_padded:]` get `PAD_SLOT_ID` (-1).
+
+        Args:
+            idx_mapping: int32/int64 `[num_reqs]`, request rows.
+            query_start_loc: int32/int64 `[>= num_reqs + 1]`, starting at 0, non-decreasing, the end
+                `query_start_loc[num_reqs] <= num_tokens_padded`.
+            positions: int32/int64 `[>= query_start_loc[num_reqs]]`, token positions (>= 0).
+            num_tokens_padded: `<= max_num_batched_tokens`.
+            is_padding: optional bool `[>= num_tokens_padded]`; true marks a token to skip.
+            Tensors on the tables' device or on the host (pinned memory for a GPU).
+
+        Returns:
+            `slot_mappings[:, :num_tokens_padded]`, a view of the persistent buffer.
+
+        Raises:
+            StageInputError: wrong shapes or dtypes, counts above the buffers, and for host inputs bad
+                values: a row outside the tables, `query_start_loc` not starting at 0 or decreasing, a
+                negative position or one past its table's row (naming token, request, group and width).
+            GraphCaptureError (RuntimeError until the graph work lands): called during CUDA graph capture.
+        """
+        return _stage.compute_slot_mappings(
+            self, idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding
+        )
+
+    def prepare_inputs(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Apply the staged writes, gather and compute slot mappings in ONE backend call.
+
+        Exactly equal to `apply_staged_writes()`, `gather_block_tables(idx_mapping, num_reqs_padded)`,
+        `compute_slot_mappings(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding)` in
+        that order; the backend's `Backend.prepare_inputs` does the work (by default its apply followed by
+        the generic torch gather and slot mapping). Inputs are checked first: a rejected call applies
+        nothing and every staged write stays staged.
+
+        Returns:
+            (gathered tables, slot mappings), as the two methods return them.
+
+        Raises:
+            StageInputError, and the errors of `apply_staged_writes`.
+        """
+        return _stage.prepare_inputs(
+            self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding
         )

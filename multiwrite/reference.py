@@ -258,3 +258,75 @@ class ReferenceBlockTables:
         """What `BlockTables.clear_staged_writes()` does: tables and counts as of the last apply."""
         self.tables = [t.copy() for t in self._applied]
         self.num_blocks = self.num_blocks_applied.copy()
+
+
+#: The slot of a token whose K/V are not stored (padding, or another context-parallel rank's token).
+PAD_SLOT_ID = -1
+
+
+def gather_block_tables_reference(
+    tables: Sequence[np.ndarray],
+    num_blocks: np.ndarray,
+    idx_mapping: Sequence[int],
+    num_reqs_padded: int,
+    input_block_tables: Sequence[np.ndarray],
+) -> list[np.ndarray]:
+    """Gather the scheduled requests' rows into batch order, one cell at a time, into `input_block_tables`.
+
+    Batch entry `b < len(idx_mapping)` gets the first `num_blocks[g, idx_mapping[b]]` cells of row
+    `idx_mapping[b]` of `tables[g]`; its other cells keep what they held. Rows `len(idx_mapping) ..
+    num_reqs_padded - 1` become zero. Returns `[input_block_tables[g][:num_reqs_padded] for g]`.
+    """
+    for g, (table, out) in enumerate(zip(tables, input_block_tables)):
+        for b in range(num_reqs_padded):
+            if b < len(idx_mapping):
+                req = int(idx_mapping[b])
+                for col in range(int(num_blocks[g, req])):
+                    out[b, col] = table[req, col]
+            else:
+                for col in range(out.shape[1]):
+                    out[b, col] = 0
+    return [out[:num_reqs_padded] for out in input_block_tables]
+
+
+def compute_slot_mappings_reference(
+    tables: Sequence[np.ndarray],
+    kernel_block_sizes: Sequence[int],
+    idx_mapping: Sequence[int],
+    query_start_loc: Sequence[int],
+    positions: Sequence[int],
+    num_tokens_padded: int,
+    is_padding: Sequence[bool] | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_interleave: int = 1,
+) -> np.ndarray:
+    """Slot of every token in the KV cache of every group: int64 `[num_groups, num_tokens_padded]`.
+
+    Token `i` in `[query_start_loc[b], query_start_loc[b + 1])` belongs to batch entry `b` (request row
+    `idx_mapping[b]`) and sits at sequence position `positions[i]`. Under context parallelism the sequence
+    is dealt to the `cp_size` ranks in chunks of `cp_interleave` tokens (chunk `c = p // cp_interleave`
+    goes to rank `c % cp_size`), and each rank stores the tokens it owns one after another: the owned
+    token at position `p` is the rank's local token `j = (c // cp_size) * cp_interleave + p % cp_interleave`
+    (with `cp_size == 1`, `j == p`). Its slot is `table[req, j // kbs] * kbs + j % kbs` with the group's
+    KERNEL block size `kbs` (the table holds kernel block ids). Tokens another rank owns, tokens whose
+    `is_padding` is true and tokens past `query_start_loc[len(idx_mapping)]` get `PAD_SLOT_ID`.
+
+    This is the rank-local token stream written out one token at a time; it equals vLLM's virtual-block
+    formula (ownership in manager-block coordinates, vllm-project/vllm PR #51031) whenever the interleave
+    divides the manager block size, which `BlockTables` requires.
+    """
+    out = np.full((len(tables), num_tokens_padded), PAD_SLOT_ID, dtype=np.int64)
+    for b in range(len(idx_mapping)):
+        req = int(idx_mapping[b])
+        for i in range(int(query_start_loc[b]), int(query_start_loc[b + 1])):
+            if is_padding is not None and bool(is_padding[i]):
+                continue
+            p = int(positions[i])
+            chunk = p // cp_interleave
+            if chunk % cp_size != cp_rank:
+                continue
+            j = (chunk // cp_size) * cp_interleave + p % cp_interleave
+            for g, (table, kbs) in enumerate(zip(tables, kernel_block_sizes)):
+                out[g, i] = int(table[req, j // kbs]) * kbs + j % kbs
+    return out

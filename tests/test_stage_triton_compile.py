@@ -1,0 +1,88 @@
+"""The stage kernel (`backends/triton_stage.py`) compiles to machine code for NVIDIA and AMD targets, no GPU.
+
+Variants the launcher produces are compiled: without and with context parallelism, without and with an
+`is_padding` mask, int32 and int64 index inputs, both jobs or one. Compiling runs in a fresh process without
+TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from multiwrite.backends import triton_stage as ts  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+TARGETS = [("cuda", 80, 32), ("cuda", 90, 32), ("hip", "gfx90a", 64), ("hip", "gfx942", 64), ("hip", "gfx1100", 32)]
+#: (name, index dtype, position dtype, CP_SIZE, CP_INTERLEAVE, HAS_PADDING, DO_GATHER, DO_SLOTS)
+VARIANTS = [
+    ("both", "*i32", "*i64", 1, 1, False, True, True),
+    ("cp-padded", "*i64", "*i32", 4, 2, True, True, True),
+    ("gather", "*i32", "*i64", 1, 1, False, True, False),
+    ("slots", "*i32", "*i64", 2, 1, True, False, True),
+]
+
+
+def _signature(idx: str, pos: str) -> dict[str, str]:
+    return {
+        "desc_ptr": "*i64", "num_blocks_ptr": "*i32", "nb_stride": "i64", "idx_ptr": idx, "qsl_ptr": "*i32",
+        "pos_ptr": pos, "pad_ptr": "*u8", "slot_ptr": "*i64", "slot_stride": "i64", "num_reqs": "i32",
+        "num_reqs_padded": "i32", "max_tokens": "i32", "num_positions": "i32", "max_num_reqs": "i32",
+        "cp_rank": "i32", "CP_SIZE": "constexpr",
+        "CP_INTERLEAVE": "constexpr", "HAS_PADDING": "constexpr", "DO_GATHER": "constexpr", "DO_SLOTS": "constexpr",
+        "BLOCK": "constexpr",
+    }  # fmt: skip
+
+
+def _worker() -> None:
+    out = {}
+    fn = ts.compilable_kernel()
+    assert [p.name for p in fn.params] == list(_signature("*i32", "*i64"))
+    for backend, arch, warp_size in TARGETS:
+        for name, idx, pos, cp, interleave, padding, gather, slots in VARIANTS:
+            constexprs = {"CP_SIZE": cp, "CP_INTERLEAVE": interleave, "HAS_PADDING": padding, "DO_GATHER": gather,
+                          "DO_SLOTS": slots, "BLOCK": ts.BLOCK}  # fmt: skip
+            src = triton.compiler.ASTSource(fn=fn, signature=_signature(idx, pos), constexprs=constexprs)
+            k = triton.compile(
+                src, target=GPUTarget(backend, arch, warp_size), options={"num_warps": ts.NUM_WARPS, "num_stages": 1}
+            )
+            binary, isa = ("cubin", "ptx") if backend == "cuda" else ("hsaco", "amdgcn")
+            out[f"{arch}-{name}"] = {
+                "binary": base64.b64encode(k.asm[binary]).decode(), "isa": k.asm[isa],
+                "warps": k.metadata.num_warps, "warp_size": k.metadata.warp_size,
+            }  # fmt: skip
+    print(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker"], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", [v[0] for v in VARIANTS])
+@pytest.mark.parametrize("target", TARGETS, ids=[f"sm_{a}" if b == "cuda" else a for b, a, _ in TARGETS])
+def test_stage_kernel_compiles(compiled, target, variant):
+    backend, arch, warp_size = target
+    k = compiled[f"{arch}-{variant}"]
+    assert len(base64.b64decode(k["binary"])) > 0
+    assert k["warps"] == ts.NUM_WARPS and k["warp_size"] == warp_size
+    isa = k["isa"]
+    if backend == "cuda":
+        assert "st.global" in isa and "ld.global" in isa
+    else:
+        assert "global_store" in isa or "buffer_store" in isa, isa[:2000]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker()
