@@ -203,13 +203,17 @@ def rocm_launch_params(warp_size: int = 64) -> LaunchParams:
     return params
 
 
-def overlap_rounds(meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def overlap_rounds(meta: np.ndarray, sequential: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Order writes so that overlapping ones land in staging order with independent rounds.
 
     A write's round is its occurrence index among the writes to the same (table, row); writes are
-    stable-sorted by round. Returns (meta rows reordered, int32 `[num_rounds + 1]` round boundaries).
+    stable-sorted by round. With `sequential` (tables of the batch share memory, so two writes to
+    different (table, row) pairs may still hit one cell), every write is a round of its own, in staging
+    order. Returns (meta rows reordered, int32 `[num_rounds + 1]` round boundaries).
     """
     w = meta.shape[0]
+    if sequential:
+        return meta, np.arange(w + 1, dtype=np.int32)
     key = (meta[:, META_TABLE].astype(np.int64) << 32) | meta[:, META_ROW].astype(np.int64)
     order = np.argsort(key, kind="stable")
     sk = key[order]
@@ -273,6 +277,28 @@ class _Descriptors(NamedTuple):
     tensor: torch.Tensor  #: int64 [num_tables, 5] on the device
     addr: int
     num_tables: int
+    aliased: bool  #: two of the tables' memory extents intersect (views of one tensor, a replaced alias...)
+
+
+def tables_alias(tables: Sequence[torch.Tensor]) -> bool:
+    """Whether the memory extents of any two `tables` intersect (then writes to different (table, row)
+    pairs may hit one cell, and only a fully sequential order keeps the later write winning).
+
+    A table's extent is `[data_ptr, data_ptr + span)` with span from its shape and (possibly zero or
+    negative) strides; disjoint slices of one allocation, as the groups of a `BlockTables`, do not alias.
+    """
+    extents = []
+    for t in tables:
+        if t.numel() == 0:
+            continue
+        lo = hi = 0
+        for size, stride in zip(t.shape, t.stride()):
+            reach = (size - 1) * stride
+            lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+        base, item = t.data_ptr(), t.element_size()
+        extents.append((base + lo * item, base + (hi + 1) * item))
+    extents.sort()
+    return any(nxt[0] < cur[1] for cur, nxt in zip(extents, extents[1:]))
 
 
 def _env_int(name: str, default: int) -> int:
@@ -568,7 +594,7 @@ class TritonWriter:
                 return d
             rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
             tensor = torch.tensor(rows, dtype=torch.int64).to(self.device)  # synchronous: complete on return
-            d = _Descriptors(tensor, tensor.data_ptr(), len(rows))
+            d = _Descriptors(tensor, tensor.data_ptr(), len(rows), tables_alias(tables))
             self._descs[key] = d
             if len(self._descs) > self.DESCRIPTOR_CACHE_SIZE:
                 self._descs.popitem(last=False)
@@ -624,7 +650,7 @@ class TritonWriter:
                     i = ring.take(w, v)
                     slot = ring.slots[i]
                     if batch.may_overlap:
-                        meta, bounds = overlap_rounds(meta)
+                        meta, bounds = overlap_rounds(meta, sequential=desc.aliased)
                         rounds = bounds.shape[0] - 1
                         slot.bounds[: rounds + 1] = bounds
                     else:

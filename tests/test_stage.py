@@ -14,6 +14,10 @@ from multiwrite import BlockTables
 from multiwrite.reference import PAD_SLOT_ID
 from multiwrite.stage import StageInputError, _build
 
+#: Input checks run on CPU tables; named so a $MULTIWRITE_BACKEND forcing a GPU backend (tox -e cuda) does not
+#: apply to them.
+CPU = "torch-cpu"
+
 I32, I64 = torch.int32, torch.int64
 
 
@@ -162,19 +166,19 @@ def test_a_backend_may_implement_the_whole_stage(backend, monkeypatch):
 
 def test_constructor_checks():
     with pytest.raises(ValueError, match="cp_rank 2 is outside"):
-        BlockTables([16], 2, [2], "cpu", cp_size=2, cp_rank=2)
+        BlockTables([16], 2, [2], "cpu", backend=CPU, cp_size=2, cp_rank=2)
     with pytest.raises(ValueError, match="group 1 block size 8 is not a multiple of cp_interleave 16"):
-        BlockTables([16, 8], 2, [2, 2], "cpu", cp_size=2, cp_interleave=16)
+        BlockTables([16, 8], 2, [2, 2], "cpu", backend=CPU, cp_size=2, cp_interleave=16)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1, got 0"):
-        BlockTables([16], 2, [2], "cpu", max_num_batched_tokens=0)
-    bt = BlockTables([16], 2, [2], "cpu", cp_size=1, cp_interleave=3)  # interleave is unused without CP
+        BlockTables([16], 2, [2], "cpu", backend=CPU, max_num_batched_tokens=0)
+    bt = BlockTables([16], 2, [2], "cpu", backend=CPU, cp_size=1, cp_interleave=3)  # interleave is unused without CP
     with pytest.raises(StageInputError, match="without max_num_batched_tokens"):
         bt.compute_slot_mappings(vec([0]), vec([0, 1]), vec([0]), 1)
     assert bt.input_block_tables[0].shape == (2, 2)
 
 
 def _tables() -> BlockTables:
-    bt = BlockTables([4, 8], 3, [2, 2], "cpu", [4, 4], max_num_batched_tokens=6)
+    bt = BlockTables([4, 8], 3, [2, 2], "cpu", [4, 4], backend=CPU, max_num_batched_tokens=6)
     bt.append_block_ids(1, ([1], [2]), overwrite=True)
     bt.apply_staged_writes()
     bt.append_block_ids(2, ([3], [4]), overwrite=True)  # staged, not applied
@@ -228,7 +232,7 @@ def test_bad_inputs_are_refused_and_nothing_is_applied(kwargs, message):
 
 
 def test_padding_tokens_and_other_ranks_tokens_are_not_checked():
-    bt = BlockTables([4], 1, [1], "cpu", max_num_batched_tokens=4, cp_size=2, cp_rank=0, cp_interleave=2)
+    bt = BlockTables([4], 1, [1], "cpu", backend=CPU, max_num_batched_tokens=4, cp_size=2, cp_rank=0, cp_interleave=2)
     bt.append_block_ids(0, ([3],), overwrite=True)
     bt.apply_staged_writes()
     # rank 0 owns positions 0,1, 4,5, ...: its one block holds its first 4 tokens, positions 0..1 and 4..5;
