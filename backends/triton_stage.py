@@ -256,7 +256,7 @@ def _fused_kernel_fn(
     num_values: tl.int32,
     num_rounds: tl.int32,
     apply_tiles: tl.int32,  # apply programs along the writes (tiles of APPLY_W)
-    apply_programs: tl.int32,  # apply_tiles x column splits; the programs after them do the stage
+    apply_programs: tl.int32,  # apply_tiles x column splits: the LAST programs of the grid; the others stage
     num_groups: tl.int32,  # tables 0..num_groups-1 are the groups, table num_groups is num_blocks.T
     nb_addr: tl.int64,  # device int32 [num_groups, max_num_reqs]: num_blocks
     nb_stride: tl.int64,
@@ -288,22 +288,26 @@ def _fused_kernel_fn(
 ):
     """Apply the staged writes AND gather AND compute slot mappings, in one launch, with no grid barrier.
 
-    Programs `[0, apply_programs)` apply the writes exactly as the apply kernel does (tiles of writes x column
-    chunks; with several rounds, one program applies them in order). Every other program is stage program
-    `(g, b)` of `launch_stage`'s grid; it reads row `idx_mapping[b]` of group `g` (and its `num_blocks`) as the
-    apply LEAVES it, whenever the apply programs run: it overlays that row's staged writes (at most one per
-    round, later rounds win) on what it reads from the table, and cells no write covers are final in the table
-    already. The last program to finish stores `token` into the slot's done word (the slot guard).
+    The last `apply_programs` programs apply the writes as the apply kernel does (tiles of writes x column
+    chunks; with several rounds, one program applies them in order). Program `s` before them is stage program
+    `(g, b) = divmod(s, num_reqs_padded + 1)` of `launch_stage`'s grid; it reads row `idx_mapping[b]` of group
+    `g` (and its `num_blocks`) as the apply LEAVES it, whenever the apply programs run: it overlays that row's
+    staged writes (at most one per round, later rounds win) on what it reads from the table, and cells no write
+    covers are final in the table already. The last program to finish stores `token` into the slot's done word
+    (the slot guard).
     """
     pid = tl.program_id(0)
+    stage_programs = tl.num_programs(0) - apply_programs
     meta = meta_addr.to(tl.pointer_type(tl.int32))
     values = values_addr.to(tl.pointer_type(tl.int32))
     bounds = bounds_addr.to(tl.pointer_type(tl.int32))
     multi = num_rounds > 1
-    if pid < apply_programs:
-        # ---- the apply: one tile of writes, one column split ----
-        pid_w = pid % apply_tiles
-        pid_s = pid // apply_tiles
+    if pid >= stage_programs:
+        # ---- the apply: one tile of writes, one column split. Last in the grid, so that the interpreter (which
+        # runs programs in order) runs every stage program before it: the overlay's hardest case ----
+        a = pid - stage_programs
+        pid_w = a % apply_tiles
+        pid_s = a // apply_tiles
         n_s = apply_programs // apply_tiles
         wdesc = wdesc_addr.to(tl.pointer_type(tl.int64))
         lanes_w = tl.arange(0, BLOCK_W)
@@ -341,9 +345,8 @@ def _fused_kernel_fn(
             tl.debug_barrier()
     else:
         # ---- the stage: program (g, b) of the grid [num_groups, num_reqs_padded + 1] ----
-        s = pid - apply_programs
-        g = s // (num_reqs_padded + 1)
-        b = s % (num_reqs_padded + 1)
+        g = pid // (num_reqs_padded + 1)
+        b = pid % (num_reqs_padded + 1)
         lanes = tl.arange(0, BLOCK)
         desc = sdesc_addr.to(tl.pointer_type(tl.int64)) + g * 8
         src = tl.load(desc + 0).to(tl.pointer_type(tl.int32))
