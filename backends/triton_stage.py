@@ -7,10 +7,11 @@ batch entry `b < num_reqs` copies the request's first `num_blocks` cells into `i
 writes the slots of the entry's tokens; `num_reqs <= b < num_reqs_padded` zeroes its row; the last program
 of each group pads the slots from `query_start_loc[num_reqs]` to `max_num_batched_tokens` with -1.
 
-It runs after the apply launch on the same stream, so a step's stage is two launches on a GPU (the standalone
-`gather_block_tables` and `compute_slot_mappings` are one launch each, of the same kernel). Folding the
-apply into the same launch (each gathering program overlaying its row's staged writes on what it reads, so
-no grid-wide barrier is needed) is the next step; it needs the apply kernel's pinned ring and slot guard.
+The standalone `gather_block_tables` and `compute_slot_mappings` are one launch each of this kernel.
+`BlockTables.prepare_inputs` is ONE launch of `_fused_kernel` (`launch_fused`): the apply's programs and this
+grid's programs together, with no grid-wide barrier: each stage program overlays its row's staged writes on
+what it reads from the tables, so it sees the row as the apply leaves it whenever the apply's programs run. The
+batch is read in place from the arena's lent pinned ring slot, guarded by the apply's completion token.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def terminal_report(result: BenchResult) -> str:
     if result.stage is not None:
         from multiwrite.bench.stage import stage_lines
 
-        out += stage_lines(result.stage, result.gpu)
+        out += stage_lines(result.stage, result.gpu, format_table)
     failures = result.failures()
     out.append("")
     if failures:

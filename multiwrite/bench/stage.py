@@ -274,10 +274,8 @@ def measure_stage(
     return result
 
 
-def stage_lines(r: StageResult, gpu: bool) -> list[str]:
-    """The `--stage` section of the terminal report."""
-    from multiwrite.bench.report import format_table
-
+def stage_lines(r: StageResult, gpu: bool, format_table: Callable) -> list[str]:
+    """The `--stage` section of the terminal report (`format_table`: `bench.report`'s)."""
     what = "one empty Triton launch" if gpu else "one empty backend call"
     head = (
         f"stage (--stage): host time per decode step, staging + apply + gather + slot mappings, {STAGE_CONFIG}, next "
