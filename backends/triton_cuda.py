@@ -148,12 +148,21 @@ class _TritonBackend(Backend):
             self.writer(batches[0].tables[0].device).apply(batches)
 
     def prepare_inputs(self, batches: Sequence[WriteBatch], stage) -> None:
-        """The apply launch, then gather and slot mappings of every group in one more launch
-        (`multiwrite/backends/triton_stage.py`); see `Backend.prepare_inputs`."""
-        from multiwrite.backends.triton_stage import launch_stage
+        """Apply, gather and slot mappings of every group in ONE launch (`triton_stage.launch_fused`);
+        with nothing staged, the gather and slot-mapping launch alone. See `Backend.prepare_inputs`.
 
-        if batches:
-            self.apply(batches)
+        A batch the fused kernel does not take (not exactly a `BlockTables`' tables, a row written more than
+        `triton_stage.MAX_ROUNDS` times in one step) is applied first, then the stage runs in one more launch.
+        """
+        from multiwrite.backends.triton_stage import launch_fused, launch_stage
+
+        live = [b for b in batches if b.values.shape[0]]
+        if not live:
+            launch_stage(stage)
+            return
+        if len(live) == 1 and launch_fused(self.writer(live[0].tables[0].device), live[0], stage):
+            return
+        self.apply(batches)
         launch_stage(stage)
 
 

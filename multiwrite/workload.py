@@ -145,6 +145,28 @@ class _Request:
         self.started = False
 
 
+@dataclass(frozen=True)
+class ScheduledStep:
+    """One scheduler step of the workload: what it stages and what it schedules.
+
+    Attributes:
+        calls: the step's `append_block_ids` calls, in admission order.
+        rows: request rows (slots) scheduled this step, in batch order (admission order).
+        starts: per scheduled row, the sequence position of its first token this step.
+        tokens: per scheduled row, tokens computed this step (1 for a decoding request; a chunk in prefill).
+    """
+
+    calls: list[StagedCall]
+    rows: list[int]
+    starts: list[int]
+    tokens: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every scheduled request computes one token (no prefill chunk in this step)."""
+        return bool(self.rows) and all(t == 1 for t in self.tokens)
+
+
 def replay_steps(
     trace: Trace,
     block_sizes: Sequence[int],
@@ -157,6 +179,19 @@ def replay_steps(
     Stops early when the trace runs out of requests. Block ids are manager ids (before kernel block
     expansion); rows are slot indices in `[0, concurrency)`.
     """
+    for step in replay_schedule(trace, block_sizes, concurrency, num_steps, token_budget):
+        yield step.calls
+
+
+def replay_schedule(
+    trace: Trace,
+    block_sizes: Sequence[int],
+    concurrency: int,
+    num_steps: int,
+    token_budget: int = TOKEN_BUDGET,
+) -> Iterator[ScheduledStep]:
+    """`replay_steps` with the batch of each step: the scheduled rows, their first positions and token counts
+    (what `BlockTables.prepare_inputs` needs: `idx_mapping`, `query_start_loc`, `positions`)."""
     num_groups = len(block_sizes)
     free_slots = list(range(concurrency))
     heapq.heapify(free_slots)
@@ -177,12 +212,18 @@ def replay_steps(
             return
         budget = token_budget
         calls: list[StagedCall] = []
+        rows: list[int] = []
+        starts: list[int] = []
+        tokens: list[int] = []
         finished = False
         for req in running:
             if budget == 0:
                 break
             take = min(req.prompt - req.computed, budget) if req.computed < req.prompt else 1
             budget -= take
+            rows.append(req.slot)
+            starts.append(req.computed)
+            tokens.append(take)
             req.computed += take
             new_ids: list[list[int]] = []
             for g, bs in enumerate(block_sizes):
@@ -212,4 +253,4 @@ def replay_steps(
                 else:
                     still.append(req)
             running = still
-        yield calls
+        yield ScheduledStep(calls, rows, starts, tokens)

@@ -250,3 +250,46 @@ def test_launch_timing_runs_and_checks_every_launch_variant():
     assert "same loop" in text and "tight loop" in text and "not measured off a GPU" in text
     result.same_loop[0]["mismatches"] = 5
     assert result.failures() == ["launch auto/kernel G1 C=3: 5 cells differ"]
+
+
+def test_stage_part_runs_on_cpu_and_checks_every_design(capsys):
+    """`bench --stage` on CPU: ours and our three calls timed next to the floor, verified; anchors skipped with why."""
+    from multiwrite.cli import main
+
+    code = main(["bench", "--quick", "--stage", "--device", "cpu", "--configs", "G3", "--concurrency", "40",
+                 "--steps", "60", "--warmup", "10", "--burst-reps", "0", "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "stage (--stage)" in out and "anchor-3 and anchor-2 not run" in out
+    assert " ours " in out and "ours-3-calls" in out
+
+
+def test_anchor_kernels_equal_the_reference_through_the_interpreter():
+    """The anchor designs the stage part times on a GPU, run here through the interpreter on a few trace steps,
+    their outputs checked as the bench checks them (and a broken copy is caught)."""
+    import torch
+
+    from multiwrite.bench import stage as st
+    from multiwrite.reference import ReferenceBlockTables
+    from multiwrite.workload import load_trace, max_blocks_per_group, replay_schedule
+
+    bs, kbs = st.CONFIGS[st.STAGE_CONFIG]
+    cpu = torch.device("cpu")
+    runners = [v(cpu, "torch-cpu", 8, 8192) for v in (st.Anchor3, st.Anchor2, st.Ours)]
+    ref = ReferenceBlockTables(bs, 8, max_blocks_per_group(bs), kbs)
+    x = st._Inputs(cpu, 8, 8192)
+    decode = 0
+    for step in replay_schedule(load_trace(), bs, 8, 16):
+        x.load(step)
+        for r in runners:
+            r.stage(step.calls)
+            r.run(x)
+        for req, ids, overwrite in step.calls:
+            ref.append_block_ids(req, ids, overwrite)
+        ref.apply_staged_writes()
+        for r in runners:
+            assert st._check(r, x, ref) == "", r.name
+        decode += step.is_decode
+    assert decode >= 5
+    runners[0].anchor.slot_mappings[0, 0] += 1  # a wrong slot must be reported
+    assert "slot_mappings[0, 0]" in st._check(runners[0], x, ref)

@@ -238,3 +238,148 @@ def test_each_token_is_stored_by_exactly_one_rank(backend):
                         assert len(set(slots[r, g, mine].tolist())) == mine.size
 
     check()
+
+
+# -------------------------------------------------------------------------------------------------
+# The overlap of a step's writes with its own batch: what the one-launch stage (Triton) must get right
+# -------------------------------------------------------------------------------------------------
+class FusedSpy:
+    """Counts the Triton backends' one-launch stages (`triton_stage.launch_fused`) that ran and that declined."""
+
+    def __init__(self, backend, monkeypatch):
+        self.ran = self.declined = 0
+        if not backend.name.startswith("triton-"):
+            return
+        from multiwrite.backends import triton_stage
+
+        original = triton_stage.launch_fused
+
+        def spy(writer, batch, stage):
+            took = original(writer, batch, stage)
+            self.ran += took
+            self.declined += not took
+            return took
+
+        monkeypatch.setattr(triton_stage, "launch_fused", spy)
+
+
+def check_step(bt: BlockTables, ref: ReferenceBlockTables, ref_inputs, step, backend) -> None:
+    """`bt.prepare_inputs` of `step` equals the reference's apply, gather and slot mappings."""
+    args = inputs(step, backend)
+    gathered, slots = bt.prepare_inputs(
+        args["idx_mapping"], args["query_start_loc"], args["positions"],
+        step["num_reqs_padded"], step["num_tokens_padded"], args["is_padding"],
+    )  # fmt: skip
+    ref.apply_staged_writes()
+    expected = gather_block_tables_reference(
+        ref.tables, ref.num_blocks, step["idx"], step["num_reqs_padded"], ref_inputs
+    )
+    expected_slots = compute_slot_mappings_reference(
+        ref.tables, bt.kernel_block_sizes, step["idx"], step["qsl"], step["positions"], step["num_tokens_padded"],
+        step["is_padding"], bt.cp_size, bt.cp_rank, bt.cp_interleave,
+    )  # fmt: skip
+    for g in range(bt.num_groups):
+        np.testing.assert_array_equal(host(bt[g].tensor), ref.tables[g], err_msg=f"group {g} table")
+        np.testing.assert_array_equal(host(gathered[g]), expected[g], err_msg=f"group {g} gathered")
+    np.testing.assert_array_equal(host(slots), expected_slots)
+    np.testing.assert_array_equal(host(bt.num_blocks_device), ref.num_blocks)
+
+
+def decode_step(rows: list[int], positions: list[int], padded_reqs: int, padded_tokens: int) -> dict:
+    return dict(
+        idx=rows, qsl=list(range(len(rows) + 1)), positions=positions, is_padding=None,
+        num_reqs_padded=padded_reqs, num_tokens_padded=padded_tokens, idx_dtype=torch.int32,
+        pos_dtype=torch.int64, place="device",
+    )  # fmt: skip
+
+
+def test_overlap_of_the_writes_with_their_own_batch(backend, monkeypatch):
+    """Each case a step whose writes touch what the same step gathers or maps: rows in the batch, a row
+    re-staged in one step (later wins), num_blocks shrunk by an overwrite, rows not in the batch, an empty batch,
+    a row staged more often than the one-launch stage overlays (MAX_ROUNDS: two launches, same result)."""
+    spy = FusedSpy(backend, monkeypatch)
+    bs, kbs, widths = [4, 8], [4, 4], [6, 6]
+    bt = BlockTables(bs, 4, widths, backend.device, kbs, backend=backend.name, max_num_batched_tokens=8)
+    ref = ReferenceBlockTables(bs, 4, widths, kbs)
+    ref_inputs = [np.zeros(t.shape, dtype=np.int64) for t in ref.tables]
+
+    def stage(*calls):
+        for req, ids, overwrite in calls:
+            bt.append_block_ids(req, ids, overwrite)
+            ref.append_block_ids(req, ids, overwrite)
+
+    # rows 0 and 1 new; both in the batch, the tokens in the blocks this very step writes
+    stage((0, ([1, 2, 3], [4]), True), (1, ([5], [6, 7]), True))
+    check_step(bt, ref, ref_inputs, decode_step([1, 0], [13, 11], 3, 4), backend)
+    # row 0 re-staged: an append, then an overwrite that shrinks it, then an append (later wins, num_blocks too);
+    # row 2 written but not scheduled; row 1 scheduled but not written
+    stage((0, ([8], [9]), False), (2, ([10], [11]), True), (0, ([12], []), True), (0, ([13], [14]), False))
+    check_step(bt, ref, ref_inputs, decode_step([0, 1], [5, 14], 4, 3), backend)
+    # nothing staged; then an empty batch with padding rows while row 3 is written
+    check_step(bt, ref, ref_inputs, decode_step([2, 1, 0], [0, 1, 2], 4, 4), backend)
+    stage((3, ([15, 16], [17]), True))
+    check_step(bt, ref, ref_inputs, decode_step([], [], 2, 2), backend)
+    # one row staged 10 times in one step: more rounds than the one launch overlays
+    for i in range(10):
+        stage((3, ([20 + i], [30 + i]), i % 3 == 0))
+    check_step(bt, ref, ref_inputs, decode_step([3, 0], [7, 1], 2, 2), backend)
+    if backend.name.startswith("triton-"):
+        assert (spy.ran, spy.declined) == (3, 1)  # steps with writes: 4; the 10-round one declined
+
+
+@st.composite
+def busy_steps(draw):
+    """Steps whose writes pile onto few rows (re-staged, overwritten, shrunk) that the same step schedules."""
+    groups = [(4, 4, 4), (8, 4, 3)]
+    rows = draw(st.integers(1, 4))
+    held = np.zeros((len(groups), rows), dtype=np.int64)
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        calls = []
+        for _ in range(draw(st.integers(0, 6))):
+            req = draw(st.integers(0, rows - 1))
+            overwrite = draw(st.booleans()) or held[:, req].max() == 0
+            ids = []
+            for g, (_, _, m) in enumerate(groups):
+                start = 0 if overwrite else held[g, req]
+                n = draw(st.integers(0, m - start))
+                ids.append(draw(st.lists(st.integers(0, 99), min_size=n, max_size=n)))
+                held[g, req] = start + n if (n or overwrite) else held[g, req]
+            calls.append((req, ids, overwrite))
+        order = draw(st.permutations(range(rows)))
+        n = draw(st.integers(0, rows))
+        tokens = [draw(st.integers(1, 3)) for _ in range(n)]
+        qsl = np.concatenate([[0], np.cumsum(tokens)]).astype(int).tolist()
+        positions = [draw(st.integers(0, 15)) for _ in range(qsl[-1])]
+        step = decode_step(list(order[:n]), positions, n + draw(st.integers(0, rows - n)), qsl[-1] + 1)
+        step["qsl"] = qsl
+        out.append((calls, step))
+    return rows, out
+
+
+def test_prepare_inputs_when_the_step_writes_its_own_batch(backend, monkeypatch):
+    """Random steps whose writes land on the rows they schedule, against the reference; on Triton every step
+    with writes goes through the one launch (none has more rounds than it overlays)."""
+    spy = FusedSpy(backend, monkeypatch)
+    launches = []
+
+    @settings(max_examples=examples(backend, 40), deadline=None, suppress_health_check=list(HealthCheck))
+    @given(busy_steps())
+    def check(case):
+        rows, steps_ = case
+        bt = BlockTables([4, 8], rows, [4, 3], backend.device, [4, 4], backend=backend.name, max_num_batched_tokens=16)
+        ref = ReferenceBlockTables([4, 8], rows, [4, 3], [4, 4])
+        ref_inputs = [np.zeros(t.shape, dtype=np.int64) for t in ref.tables]
+        for calls, step in steps_:
+            for call in calls:
+                bt.append_block_ids(*call)
+                ref.append_block_ids(*call)
+            before = spy.ran
+            staged = sum(t.num_staged_writes for t in bt.block_tables) > 0
+            check_step(bt, ref, ref_inputs, step, backend)
+            launches.append((staged, spy.ran - before))
+
+    check()
+    if backend.name.startswith("triton-"):
+        assert all(ran == int(staged) for staged, ran in launches) and spy.declined == 0
+        assert sum(ran for _, ran in launches) >= 10

@@ -1,8 +1,9 @@
 """The stage kernel (`backends/triton_stage.py`) compiles to machine code for NVIDIA and AMD targets, no GPU.
 
-Variants the launcher produces are compiled: without and with context parallelism, without and with an
-`is_padding` mask, int32 and int64 index inputs, both jobs or one. Compiling runs in a fresh process without
-TRITON_INTERPRET.
+Variants the launchers produce are compiled: without and with context parallelism, without and with an
+`is_padding` mask, int32 and int64 index inputs, both jobs or one; and the one-launch stage (`launch_fused`:
+apply + gather + slot mappings) in its plain and its context-parallel, padded variant. Compiling runs in a fresh
+process without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -40,11 +41,41 @@ def _signature(idx: str, pos: str) -> dict[str, str]:
     }  # fmt: skip
 
 
+#: The one-launch stage (apply + gather + slot mappings): (name, idx, qsl, positions dtypes, CP_SIZE,
+#: CP_INTERLEAVE, HAS_PADDING, DO_GATHER, DO_SLOTS), as `triton_stage.launch_fused` produces them.
+FUSED_VARIANTS = [
+    ("fused", "int32", "int32", "int64", 1, 1, False, True, True),
+    ("fused-cp-padded", "int64", "int64", "int32", 4, 2, True, True, True),
+]
+
+
+def _compile_fused(target: GPUTarget, variant: tuple):
+    _, idx, qsl, pos, cp, interleave, padding, gather, slots = variant
+    fn = ts.compilable_fused_kernel()
+    tl = triton.language
+    constexprs = {
+        "IDX_DTYPE": getattr(tl, idx), "QSL_DTYPE": getattr(tl, qsl), "POS_DTYPE": getattr(tl, pos), "CP_SIZE": cp,
+        "CP_INTERLEAVE": interleave, "HAS_PADDING": padding, "DO_GATHER": gather, "DO_SLOTS": slots,
+        "BLOCK": ts.BLOCK, "BLOCK_W": ts.APPLY_W, "BLOCK_L": ts.APPLY_L, "SCAN": ts.SCAN_W, "MAX_R": ts.MAX_ROUNDS,
+    }  # fmt: skip
+    signature = {p.name: "constexpr" if p.is_constexpr else p.annotation for p in fn.params}
+    assert list(constexprs) == [p.name for p in fn.params if p.is_constexpr]
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=target, options={"num_warps": ts.NUM_WARPS, "num_stages": 1})
+
+
 def _worker() -> None:
     out = {}
     fn = ts.compilable_kernel()
     assert [p.name for p in fn.params] == list(_signature("*i32", "*i64"))
     for backend, arch, warp_size in TARGETS:
+        for variant in FUSED_VARIANTS:
+            k = _compile_fused(GPUTarget(backend, arch, warp_size), variant)
+            binary, isa = ("cubin", "ptx") if backend == "cuda" else ("hsaco", "amdgcn")
+            out[f"{arch}-{variant[0]}"] = {
+                "binary": base64.b64encode(k.asm[binary]).decode(), "isa": k.asm[isa],
+                "warps": k.metadata.num_warps, "warp_size": k.metadata.warp_size,
+            }  # fmt: skip
         for name, idx, pos, cp, interleave, padding, gather, slots in VARIANTS:
             constexprs = {"CP_SIZE": cp, "CP_INTERLEAVE": interleave, "HAS_PADDING": padding, "DO_GATHER": gather,
                           "DO_SLOTS": slots, "BLOCK": ts.BLOCK}  # fmt: skip
@@ -70,7 +101,7 @@ def compiled() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", [v[0] for v in VARIANTS])
+@pytest.mark.parametrize("variant", [v[0] for v in VARIANTS + FUSED_VARIANTS])
 @pytest.mark.parametrize("target", TARGETS, ids=[f"sm_{a}" if b == "cuda" else a for b, a, _ in TARGETS])
 def test_stage_kernel_compiles(compiled, target, variant):
     backend, arch, warp_size = target
@@ -80,8 +111,12 @@ def test_stage_kernel_compiles(compiled, target, variant):
     isa = k["isa"]
     if backend == "cuda":
         assert "st.global" in isa and "ld.global" in isa
+        if variant.startswith("fused"):  # the slot guard: the completion counter of the whole grid
+            assert "atom.global" in isa
     else:
         assert "global_store" in isa or "buffer_store" in isa, isa[:2000]
+        if variant.startswith("fused"):
+            assert "global_atomic" in isa or "buffer_atomic" in isa, isa[:2000]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

@@ -101,6 +101,12 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="also time the Triton launch itself (triton-cuda): launch paths and slot guards next to an empty launch "
         "in the same loop, a tight loop of a captured decode apply, and device times behind a sleep (GPU)",
     )
+    p.add_argument(
+        "--stage",
+        action="store_true",
+        help="also time the whole block-table stage per decode step (G3: staging, apply, gather, slot mappings): "
+        "prepare_inputs, our three calls and the anchor designs (GPU) next to an empty launch in the same loop",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (auto)")
     p.add_argument("--backend", default=None, help="force a backend by name (default: best available)")
     p.add_argument(
@@ -136,6 +142,7 @@ def run_bench(
     trace_path: str | None,
     progress: bool,
     launch: bool = False,
+    stage: bool = False,
 ) -> BenchResult:
     """Measure every configuration and concurrency of `opts`, then the burst, on `device`.
 
@@ -149,6 +156,7 @@ def run_bench(
     passes = 2 if device.type == "cuda" else 1
     total = len(opts.configs) * len(opts.concurrency) * opts.steps * passes + opts.burst_reps
     total += 2 * len(opts.concurrency) * opts.steps if launch else 0
+    total += len(opts.concurrency) * opts.steps if stage else 0
     result = BenchResult(
         timestamp, environment(device), backend_name, f"{trace.source} ({len(trace)} requests)", opts.steps, opts.warmup
     )
@@ -166,6 +174,18 @@ def run_bench(
             burst = (opts.burst_requests, opts.burst_ids)
             c = opts.concurrency
             result.launch = measure_launch(trace, device, opts.steps, opts.warmup, c, tight_n, burst, tick)
+        if stage:
+            from multiwrite.bench.stage import measure_stage
+
+            if device.type == "cuda":
+                from multiwrite.bench.launch import _empty_launcher
+
+                empty, floor = _empty_launcher(device), "floor-triton"
+            else:
+                empty, floor = (lambda: backend_obj.apply([])), "floor"
+            result.stage = measure_stage(
+                trace, device, backend, opts.steps, opts.warmup, opts.concurrency, empty, floor, tick
+            )
     result.interpreted = ran_interpreted(backend_obj)
     result.quick = opts.steps < FULL.steps or opts.burst_reps < FULL.burst_reps
     return result
@@ -255,7 +275,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     threads = args.threads or (1 if device.type == "cpu" else threads_before)
     torch.set_num_threads(threads)
     try:
-        result = run_bench(opts, device, args.backend, args.trace, show_progress(args.no_progress), args.launch)
+        result = run_bench(
+            opts, device, args.backend, args.trace, show_progress(args.no_progress), args.launch, args.stage
+        )
     finally:
         torch.set_num_threads(threads_before)
     result.env["torch_threads"] = str(threads)

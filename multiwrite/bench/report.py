@@ -147,6 +147,10 @@ def terminal_report(result: BenchResult) -> str:
         out.append(f"  fused / {b.copy_name} bandwidth: {b.apply_bytes_per_s / b.copy_bytes_per_s:.3g}")
     if result.launch is not None:
         out += launch_lines(result.launch)
+    if result.stage is not None:
+        from multiwrite.bench.stage import stage_lines
+
+        out += stage_lines(result.stage, result.gpu, format_table)
     failures = result.failures()
     out.append("")
     if failures:
@@ -154,6 +158,7 @@ def terminal_report(result: BenchResult) -> str:
     else:
         n = sum(1 for c in result.configs for v in c.variants.values() if v.verified)
         n += len(result.launch.same_loop) if result.launch is not None else 0
+        n += len(result.stage.rows) if result.stage is not None else 0
         out.append(f"verification: OK, all {n} variant runs" + (" and the burst" if b else "") + " equal the reference")
     head = "goals (BENCHMARKS.md)"
     if result.quick and not result.interpreted:
@@ -161,7 +166,12 @@ def terminal_report(result: BenchResult) -> str:
             f": INDICATIVE ONLY: a smaller run ({result.steps} steps per configuration) than the default "
             "`multiwrite bench` (without --quick) that the goals are judged on"
         )
-    out += ["", head] + [f"  {g}" for g in goal_lines(result)]
+    goals = goal_lines(result)
+    if result.stage is not None:
+        from multiwrite.bench.stage import stage_goal_lines
+
+        goals += stage_goal_lines(result.stage, result.gpu, result.interpreted)
+    out += ["", head] + [f"  {g}" for g in goals]
     return "\n".join(out)
 
 
@@ -281,6 +291,10 @@ def csv_rows(result: BenchResult) -> list[dict[str, str]]:
         rows.append(row("fused", "burst-G3", b.requests, "burst_stage_us", b.stage, ok, b.bytes_written))
         rows.append(row("fused", "burst-G3", b.requests, "burst_apply_us", b.apply, ok, b.bytes_written))
         rows.append(row(b.copy_name, "burst-G3", b.requests, "burst_copy_us", b.copy, "n/a", b.bytes_written))
+    if result.stage is not None:
+        from multiwrite.bench.stage import stage_csv_rows
+
+        rows += stage_csv_rows(result.stage, base)
     return rows
 
 

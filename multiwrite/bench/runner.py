@@ -347,6 +347,7 @@ class BenchResult:
     interpreted: bool = False
     quick: bool = False
     launch: Any = None  # a `bench.launch.LaunchResult` with --launch
+    stage: Any = None  # a `bench.stage.StageResult` with --stage
 
     @property
     def gpu(self) -> bool:
@@ -368,6 +369,8 @@ class BenchResult:
             out.append(f"fused prefill burst: {m.cells} cells differ from the expected tables; first: {m.first}")
         if self.launch is not None:
             out += self.launch.failures()
+        if self.stage is not None:
+            out += self.stage.failures()
         return out
 
 
