@@ -40,7 +40,6 @@ import warnings
 import torch
 import triton
 import triton.language as tl
-
 from multiwrite.backends.triton_kernel import (
     _INTERPRETER_LOCK,
     DESC_COLUMNS,
@@ -51,6 +50,7 @@ from multiwrite.backends.triton_kernel import (
     _LentRing,
     overlap_rounds,
 )
+
 from multiwrite.errors import BackendUnavailableError
 from multiwrite.staging import StagingArena
 
@@ -227,7 +227,10 @@ class GraphStage:
         self.published = 0
         self._eager_limit = 0  # headers an eager launch has already been asked to consume
         self._args = (
-            self.descriptors.data_ptr(), self.headers_t.data_ptr(), self.state.data_ptr(), self.mirror_t.data_ptr()
+            self.descriptors.data_ptr(),
+            self.headers_t.data_ptr(),
+            self.state.data_ptr(),
+            self.mirror_t.data_ptr(),
         )
         self._consts = {"DEPTH": depth, "NT": max(2, _pow2(self.num_tables)), "BLOCK_W": BLOCK_W, "BLOCK_L": BLOCK_L}
         if writer.is_gpu:
