@@ -292,6 +292,13 @@ class GraphStage:
             arena.rotate()  # the next slot, free (checked above)
         return h
 
+    def would_wait(self, arena: StagingArena) -> bool:
+        """Whether `commit(arena)` would wait now for a run to consume an earlier batch."""
+        h = self.published
+        if arena.num_writes and not self.ring._released(self.ring.succ[self.lender.current]):
+            return True
+        return self.consumed < h - self.depth + 1
+
     def _wait(self, released, h: int) -> None:
         """Poll until `released()`, warn after the writer's `wait_warn_s`, synchronize the device after its
         `wait_timeout_s`, then raise `RingStallError` if still not released."""

@@ -522,6 +522,8 @@ class BlockTables:
         if self._arena.frozen is not None:
             _check_frozen(self._arena)
         if self._arena.num_writes:
+            if graph.would_wait(self._arena):  # the ring is full of committed batches: apply those first, so
+                graph.apply_eager()  # the commit below waits only for that launch, never for a replay
             self.commit_staged_writes()
         graph.apply_eager()
 
