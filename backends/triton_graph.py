@@ -99,7 +99,7 @@ def _consume_kernel_fn(
     ok = first < end
     n = first * 0
     for h in range(first, end):
-        hdr = tl.load(headers + (h % DEPTH) * 8 + lanes_h, cache_modifier=".cv")
+        hdr = tl.load(headers + (h % DEPTH) * 8 + lanes_h, volatile=True)
         seq = tl.sum(tl.where(lanes_h == 0, hdr, 0), axis=0)
         ok = ok & (seq == h + 1)
         if ok:
