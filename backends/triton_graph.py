@@ -27,8 +27,8 @@ committed batches no run has consumed yet waits, warns (`RingWaitWarning`, sayin
 eager apply is needed), and after the writer's timeout synchronizes the device and raises `RingStallError`.
 
 The kernel is one program (writes of one header in parallel lanes, headers and overlap rounds one after
-the other, separated by barriers), reads headers, metadata and values over unified virtual addressing
-(volatile loads), and finds each write's table through a descriptor table built once: a graph-mode
+the other, separated by barriers), reads the whole header ring in one volatile load, then metadata and
+values over unified virtual addressing, and finds each write's table through a descriptor table built once: a graph-mode
 `BlockTables` can never replace or resize its tables, so the descriptors' address is fixed for good.
 """
 
@@ -71,7 +71,7 @@ def _consume_kernel_fn(
     mirror_addr: tl.int64,  # pinned int64 [2]: the same two counts, for the host
     limit: tl.int64,  # consume headers up to this count (eager launch), or -1: the next header only (captured)
     num_tables: tl.int32,
-    DEPTH: tl.constexpr,
+    DEPTH: tl.constexpr,  # header ring entries, a power of two
     NT: tl.constexpr,  # a power of two >= num_tables: every descriptor is loaded up front
     BLOCK_W: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -90,16 +90,21 @@ def _consume_kernel_fn(
     rows_all = tl.load(d_all + 3, mask=t_ok, other=0)
     cols_all = tl.load(d_all + 4, mask=t_ok, other=0)
     lanes_h = tl.arange(0, 8)
+    lanes_d = tl.arange(0, DEPTH)
     lanes_w = tl.arange(0, BLOCK_W)
     lanes_l = tl.arange(0, BLOCK_L)
     lanes_v = tl.arange(0, PRELOADED_VALUES)
+    # The whole header ring at once, at the same time as the consumed count (no dependent round trip over
+    # PCIe). Every header a run may consume was published before the run was issued (a captured run takes
+    # the next one only if already published), so this one read sees all of them.
+    ring = tl.load(headers + lanes_d[:, None] * 8 + lanes_h[None, :], volatile=True)
     first = tl.load(state)
     idle = tl.load(state + 1)
     end = tl.where(limit < 0, first + 1, limit)
     ok = first < end
     n = first * 0
     for h in range(first, end):
-        hdr = tl.load(headers + (h % DEPTH) * 8 + lanes_h, volatile=True)
+        hdr = tl.sum(tl.where(lanes_d[:, None] == h % DEPTH, ring, 0), axis=0)
         seq = tl.sum(tl.where(lanes_h == 0, hdr, 0), axis=0)
         ok = ok & (seq == h + 1)
         if ok:
@@ -206,7 +211,14 @@ class GraphStage:
         self.lender = lender
         self.ring = lender.ring
         lender.graph_stage = self  # marks the arena as graph-mode: plain writer applies refuse it
-        self.depth = depth = self.ring.depth
+        if self.ring.depth < 2:
+            raise BackendUnavailableError(
+                f"BlockTables(cuda_graphs=True) needs a Triton ring depth of at least 2 "
+                f"(MULTIWRITE_TRITON_RING_DEPTH), got {self.ring.depth}: a commit hands the arena the next slot"
+            )
+        # Header entries: a power of two (the kernel loads the whole ring at once) >= the slots of the ring,
+        # which bound the committed, unconsumed batches to `ring.depth - 1`.
+        self.depth = depth = _pow2(self.ring.depth)
         pin = writer.is_gpu
         device = writer.device
         self.headers_t = torch.zeros(depth * HEADER_WORDS, dtype=torch.int64, pin_memory=pin)
@@ -327,8 +339,8 @@ class GraphStage:
     def _full(self, h: int, what: str) -> str:
         pending = h - self.consumed
         return (
-            f"commit_staged_writes (header {h}) {what} for a free entry of the graph-mode header ring (depth "
-            f"{self.depth}) of BlockTables on {self.writer.device}: {pending} committed batches have not been "
+            f"commit_staged_writes (header {h}) {what} for a free slot of the graph-mode ring (depth "
+            f"{self.ring.depth}) of BlockTables on {self.writer.device}: {pending} committed batches have not been "
             "consumed by any run of the apply kernel. Each graph replay consumes ONE committed batch and an eager "
             "apply_staged_writes() all of them: replay the captured graph (or call apply_staged_writes()) after "
             "each commit; if replays are queued, the stream they run on is held up by earlier work."

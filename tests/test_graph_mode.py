@@ -205,7 +205,7 @@ def test_a_full_ring_warns_then_raises_and_keeps_the_writes_staged():
     with pytest.warns(triton_kernel.RingWaitWarning) as caught, pytest.raises(triton_kernel.RingStallError) as info:
         m.bt.commit_staged_writes()  # its slot would rotate into the one holding the unconsumed first batch
     warning = str(caught[0].message)
-    for part in ("header ring (depth 2)", "1 committed batches have not been consumed", "replay the captured graph",
+    for part in ("graph-mode ring (depth 2)", "1 committed batches have not been consumed", "replay the captured graph",
                  "apply_staged_writes()"):  # fmt: skip
         assert part in warning, part
     assert "Nothing was committed" in str(info.value)
@@ -326,6 +326,50 @@ def test_an_eager_apply_with_a_full_ring_applies_the_committed_batches_first_and
         m.eager_apply()
     m.check()
     assert m.bt[0].tensor[0, :2].tolist() == [1, 4] and m.bt._graph.consumed == 2
+
+
+@pytest.mark.parametrize("depth", [3, 5])
+def test_a_ring_depth_that_is_not_a_power_of_two_wraps_exactly(depth):
+    m = Model(ring_depth=depth)
+    for step in range(3 * depth + 1):
+        m.stage(step % REQS, ([step + 1], [step + 2], []), step % 2 == 0)
+        m.commit()
+        if step % 3 == 0:
+            m.commit()  # an empty batch, then two replays
+            m.replay()
+        m.replay()
+        m.check()
+    assert m.bt._graph.consumed == m.bt._graph.published
+
+
+def test_a_ring_of_one_slot_is_refused():
+    with pytest.raises(BackendUnavailableError, match="ring depth of at least 2"):
+        BlockTables(BS, REQS, WIDTHS, CPU, KBS, backend=TritonCudaBackend(ring_depth=1), cuda_graphs=True)
+
+
+def test_prepare_inputs_in_graph_mode_applies_the_committed_batches_first():
+    from multiwrite.reference import compute_slot_mappings_reference, gather_block_tables_reference
+
+    bt = BlockTables(BS, REQS, WIDTHS, CPU, KBS, backend="triton-cuda", cuda_graphs=True, max_num_batched_tokens=8)
+    ref = ReferenceBlockTables(BS, REQS, WIDTHS, KBS)
+    for req, ids, ow in [(0, ([1, 2], [3], [4, 5]), True), (2, ([6], [7], [8]), True)]:
+        bt.append_block_ids(req, ids, ow)
+        ref.append_block_ids(req, ids, ow)
+    bt.commit_staged_writes()  # committed, never replayed
+    bt.append_block_ids(2, ([9], [], []), False)
+    ref.append_block_ids(2, ([9], [], []), False)
+    idx, qsl, pos = [2, 0], [0, 2, 3], [3, 17, 5]
+    gathered, slots = bt.prepare_inputs(
+        torch.tensor(idx), torch.tensor(qsl), torch.tensor(pos), num_reqs_padded=3, num_tokens_padded=4
+    )
+    want = gather_block_tables_reference(
+        ref.tables, ref.num_blocks, idx, 3, [np.zeros_like(ref.tables[g]) for g in range(3)]
+    )
+    for g in range(3):
+        np.testing.assert_array_equal(gathered[g].numpy(), want[g])
+    want_slots = compute_slot_mappings_reference(ref.tables, KBS, idx, qsl, pos, 4)
+    np.testing.assert_array_equal(slots.numpy(), want_slots)
+    assert bt._graph.consumed == 2
 
 
 def test_warnings_are_not_raised_in_a_normal_loop():
