@@ -184,8 +184,8 @@ class Backend:
         `tables` are the tables' 2-D int32 tensors in `arena`'s table order, fixed for good; `arena` is the
         empty staging arena of the `BlockTables`. The returned object must offer `commit(arena) -> int`
         (publish the staged writes for the next run; host work only), `launch(-1)` (what a capture records:
-        consume the next published batch), `apply_eager()` (consume every committed batch now) and
-        `pending()`. See `multiwrite/backends/triton_graph.py` for the built-in one and its ordering rules.
+        consume the next published batch), `apply_eager()` (consume every committed batch now),
+        `would_wait(arena)` (whether a commit would wait for a run) and `pending()`. See `multiwrite/backends/triton_graph.py` for the built-in one and its ordering rules.
         """
         return None
 
