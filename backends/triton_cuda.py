@@ -147,6 +147,13 @@ class _TritonBackend(Backend):
         if batches:
             self.writer(batches[0].tables[0].device).apply(batches)
 
+    def graph_stage(self, tables: list[torch.Tensor], arena):
+        """The graph mode of a `BlockTables` on this backend: a pinned header ring and the consume kernel
+        (`multiwrite/backends/triton_graph.py`); attaches `arena` to a lent ring of the device's writer."""
+        from multiwrite.backends.triton_graph import new_graph_stage
+
+        return new_graph_stage(self.writer(tables[0].device), tables, arena)
+
     def prepare_inputs(self, batches: Sequence[WriteBatch], stage) -> None:
         """Apply, gather and slot mappings of every group in ONE launch (`triton_stage.launch_fused`);
         with nothing staged, the gather and slot-mapping launch alone. See `Backend.prepare_inputs`.

@@ -5,7 +5,7 @@ ranges included, is `docs/backends.md`."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from multiwrite.staging import (
     META_TABLE,
     META_VALUE_OFFSET,
     SUPPORTED_DTYPES,
+    StagingArena,
     StagingBuffers,
     dtype_name,
 )
@@ -175,6 +176,19 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.NAME!r}>"
+
+    def graph_stage(self, tables: list[torch.Tensor], arena: StagingArena) -> Any:
+        """Optional: the CUDA-graph mode of a `BlockTables` (`cuda_graphs=True`), or None (the default:
+        this backend cannot replay its apply from a graph, and such tables are refused at construction).
+
+        `tables` are the tables' 2-D int32 tensors in `arena`'s table order, fixed for good; `arena` is the
+        empty staging arena of the `BlockTables`. The returned object must offer `commit(arena) -> int`
+        (publish the staged writes for the next run; host work only), `launch(-1)` (what a capture records:
+        consume the next published batch), `apply_eager()` (consume every committed batch now),
+        `would_wait(arena)` (whether a commit would wait for a run) and `pending()`. See
+        `multiwrite/backends/triton_graph.py` for the built-in one and its ordering rules.
+        """
+        return None
 
     def prepare_inputs(self, batches: Sequence[WriteBatch], stage: StageInputs) -> None:
         """Optional: a step's whole block-table stage in one call (one launch on a GPU, if you can).

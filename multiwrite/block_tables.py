@@ -10,8 +10,8 @@ import torch
 
 from multiwrite import stage as _stage
 from multiwrite.backend import Backend
-from multiwrite.capture import refuse_capture
-from multiwrite.errors import StagedWriteError
+from multiwrite.capture import is_capturing, refuse_capture
+from multiwrite.errors import BackendUnavailableError, StagedWriteError
 from multiwrite.staging import (
     _CLOCK,
     _INT32_MAX,
@@ -24,7 +24,7 @@ from multiwrite.staging import (
     expand_kernel_blocks,
     table_layout,
 )
-from multiwrite.writer import FusedStagedWriter
+from multiwrite.writer import FusedStagedWriter, _check_frozen
 
 try:  # the compiled staging path (optional: built where a C compiler exists)
     from multiwrite._cstaging import append_block_ids as _stage_block_ids
@@ -59,6 +59,11 @@ class BlockTables:
         cp_size, cp_rank, cp_interleave: decode context parallelism as vLLM's: `cp_size` ranks, this one
             `cp_rank`, the sequence dealt to them in chunks of `cp_interleave` tokens, which must divide
             every block size when `cp_size > 1` (keyword only; default: no context parallelism).
+        cuda_graphs: graph mode (keyword only, default False): `apply_staged_writes()` may then be called
+            inside `torch.cuda.graph(...)`, recording one kernel launch whose arguments are all fixed
+            addresses; each replay applies the batch closed by one `commit_staged_writes()` (see that
+            method and "CUDA graphs" in the README). Needs a backend with a graph mode (`triton-cuda`,
+            `triton-rocm`). Without it, a capture of the apply is refused (`GraphCaptureError`).
 
     Attributes:
         block_tables: one `StagedWriteTensor` per group; `block_tables[g].tensor` is group `g`'s int32
@@ -109,6 +114,7 @@ class BlockTables:
         cp_size: int = 1,
         cp_rank: int = 0,
         cp_interleave: int = 1,
+        cuda_graphs: bool = False,
     ):
         def ints(what: str, seq: Sequence[int]) -> list[int]:
             try:
@@ -177,6 +183,18 @@ class BlockTables:
             for t, what in [(g.tensor, g.name) for g in self.block_tables]
             + [(self._num_blocks_staged._table, "num_blocks"), (self.num_blocks_device, "num_blocks")]
         ]
+        self.cuda_graphs = bool(cuda_graphs)
+        self._graph = None
+        if self.cuda_graphs:
+            self._graph = self.backend.graph_stage([t._table for t in self._arena.targets], self._arena)
+            if self._graph is None:
+                raise BackendUnavailableError(
+                    f"BlockTables(cuda_graphs=True): backend {self.backend.NAME!r} on {device} has no CUDA-graph "
+                    "mode (Backend.graph_stage); triton-cuda and triton-rocm have one. Use cuda_graphs=False"
+                )
+            # Graph mode replaces the two methods on this object only: the eager path pays nothing for it.
+            self.apply_staged_writes = self._apply_graph_mode  # type: ignore[method-assign]
+            self.clear_staged_writes = self._clear_graph_mode  # type: ignore[method-assign]
         # What clear_staged_writes restores, with no read of num_blocks_device (a stream may still be
         # writing it): column `req` holds the request's counts as of the last successful apply, saved when
         # the batch first changes them (the row's num_blocks stamp is then this batch's epoch). Nothing to
@@ -425,6 +443,11 @@ class BlockTables:
 
         On a GPU this enqueues one kernel launch on the current stream and returns without waiting.
 
+        Graph mode (`cuda_graphs=True`): inside `torch.cuda.graph(...)` this records one launch of the
+        consume kernel (fixed arguments) and commits nothing: each replay applies the next batch closed
+        by `commit_staged_writes()`. Outside a capture it commits what is staged and applies every
+        committed batch not yet applied, in commit order (one launch; none when nothing was committed).
+
         Raises:
             StagedWriteError: a table was resized or `set_` in place (see the class docstring); nothing
                 was written, the staged writes stay staged.
@@ -443,10 +466,70 @@ class BlockTables:
         apply are kept on the host when a batch first changes them, so this is right even while an apply
         is still running on another stream.
 
+        Graph mode (`cuda_graphs=True`): drops only the writes staged since the last commit, restoring
+        `num_blocks` as of that commit; committed batches stay committed. Allowed during a capture.
+
         Raises:
-            GraphCaptureError: the current CUDA stream is capturing a graph; nothing is dropped.
+            GraphCaptureError: the current CUDA stream is capturing a graph (not in graph mode); nothing is
+                dropped.
         """
         refuse_capture(self.device, "BlockTables.clear_staged_writes")
+        changed = np.flatnonzero(self._stamps[self._counts_table] == self._context_view[_CTX_EPOCH])
+        self.num_blocks[:, changed] = self._num_blocks_applied[:, changed]
+        self._arena.clear()
+        self._context_view[_CTX_EPOCH] += 1
+
+    def commit_staged_writes(self) -> int:
+        """Graph mode: close the staged batch as the batch of the NEXT run of the apply kernel (a replay of
+        a graph that captured `apply_staged_writes()`, or an eager `apply_staged_writes()`).
+
+        The one host call per step in graph mode: it writes a header (where the batch sits in its pinned
+        ring slot, its counts, the slot's completion token) into the next entry of a pinned header ring
+        and hands the arena a fresh slot; no launch, no driver call. Staging alone cannot be picked up by
+        a replay: the replay runs asynchronously, while the host may already be staging the next step, so
+        the kernel needs to be told where one step's batch ends. Each replay consumes exactly ONE committed
+        batch, in commit order: commit once before every replay (with nothing staged, the commit publishes
+        an empty batch and the replay applies nothing). An eager `apply_staged_writes()` commits and then
+        applies every committed batch. `num_blocks_device` travels in the same batches.
+
+        Does not check for tables resized in place (that check runs at capture and at eager applies).
+
+        Returns:
+            The batch's index (0, 1, ... in commit order).
+
+        Raises:
+            StagedWriteError: the tables were not created with `cuda_graphs=True`.
+            RingStallError: the header ring is full of committed batches that no run consumed (after a
+                `RingWaitWarning` and a device synchronization); nothing was committed, the writes stay staged.
+        """
+        graph = self._graph
+        if graph is None:
+            raise StagedWriteError(
+                "commit_staged_writes() is for tables created with BlockTables(..., cuda_graphs=True); these apply "
+                "with apply_staged_writes(). Nothing was committed; the staged writes stay staged"
+            )
+        h = graph.commit(self._arena)
+        self._context_view[_CTX_EPOCH] += 1  # a new batch: every (table, row) is free again
+        return h
+
+    def _apply_graph_mode(self) -> None:
+        """`apply_staged_writes()` of a graph-mode `BlockTables` (the class method's docstring says what)."""
+        graph = self._graph
+        if is_capturing(self.device):
+            _check_frozen(self._arena)  # descriptors are captured by address: the tables must be as built
+            graph.launch(-1)  # recorded: every replay consumes the next committed batch
+            return
+        if self._arena.frozen is not None:
+            _check_frozen(self._arena)
+        if self._arena.num_writes:
+            if graph.would_wait(self._arena):  # the ring is full of committed batches: apply those first, so
+                graph.apply_eager()  # the commit below waits only for that launch, never for a replay
+            self.commit_staged_writes()
+        graph.apply_eager()
+
+    def _clear_graph_mode(self) -> None:
+        """`clear_staged_writes()` of a graph-mode `BlockTables`: drops the writes staged since the last
+        commit; committed batches stay committed (host work only, allowed during a capture)."""
         changed = np.flatnonzero(self._stamps[self._counts_table] == self._context_view[_CTX_EPOCH])
         self.num_blocks[:, changed] = self._num_blocks_applied[:, changed]
         self._arena.clear()
@@ -479,7 +562,7 @@ class BlockTables:
         Raises:
             StageInputError: a wrong shape or dtype, `num_reqs` or `num_reqs_padded` above `max_num_reqs`, a
                 row outside `[0, max_num_reqs)` (checked for host inputs; device values are not read).
-            GraphCaptureError (RuntimeError until the graph work lands): called during CUDA graph capture.
+            GraphCaptureError: called during CUDA graph capture (graph mode captures `apply_staged_writes` only).
         """
         return _stage.gather_block_tables(self, idx_mapping, num_reqs_padded)
 
@@ -515,7 +598,7 @@ class BlockTables:
             StageInputError: wrong shapes or dtypes, counts above the buffers, and for host inputs bad
                 values: a row outside the tables, `query_start_loc` not starting at 0 or decreasing, a
                 negative position or one past its table's row (naming token, request, group and width).
-            GraphCaptureError (RuntimeError until the graph work lands): called during CUDA graph capture.
+            GraphCaptureError: called during CUDA graph capture (graph mode captures `apply_staged_writes` only).
         """
         return _stage.compute_slot_mappings(
             self, idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding

@@ -1,11 +1,12 @@
 """Refuse work on a CUDA stream that is being captured into a CUDA graph, and in forked CUDA children.
 
-An apply launches a kernel that reads its batch from a host ring slot by address and hands the slot back
-when it runs; captured into a graph, it would run at every replay and write whatever batch sits in that
-slot then, and a capture never replayed would hold its slot forever. Until capture is supported (tracked
-by the block-table stage issue), `refuse_capture` is called first thing by every apply
-(`FusedStagedWriter.apply`, so `BlockTables.apply_staged_writes` and every backend) and by
-`BlockTables.clear_staged_writes`: it raises `GraphCaptureError` before anything is recorded or changed.
+An eager apply launches a kernel that reads its batch from a host ring slot by address and hands the slot
+back when it runs; captured into a graph, it would run at every replay and write whatever batch sits in that
+slot then, and a capture never replayed would hold its slot forever. So `refuse_capture` is called first
+thing by every eager apply (`FusedStagedWriter.apply`, so `BlockTables.apply_staged_writes` and every
+backend) and by `BlockTables.clear_staged_writes`: it raises `GraphCaptureError` before anything is
+recorded or changed. Capture is supported by the explicit graph mode, `BlockTables(..., cuda_graphs=True)`
+(`multiwrite/backends/triton_graph.py`), which asks `is_capturing` instead.
 
 Cost on the hot path: for CPU tables one dict lookup (about 0.1 us here; reading `device.type` costs
 0.6 us); for CUDA tables that, one call of torch's C function behind
@@ -72,13 +73,30 @@ def refuse_capture(device: torch.device, what: str) -> None:
                 _raise(device, what)
 
 
+def is_capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream (of the current device, and of `device` when it is another CUDA
+    device) is capturing a CUDA graph; False for non-CUDA devices.
+
+    Raises:
+        ForkedCudaError: this process was forked after its parent initialized CUDA.
+    """
+    if device.type != "cuda":
+        return False
+    if _is_capturing():
+        return True
+    if device.index is not None and device.index != _get_device():
+        with torch.cuda.device(device.index):
+            return bool(_is_capturing())
+    return False
+
+
 def _raise(device: torch.device, what: str) -> None:
     raise GraphCaptureError(
-        f"{what} on {device} during CUDA graph capture (the current stream is capturing): multiwrite cannot be "
-        "captured into a CUDA graph yet (its kernel reads a host ring slot that a replay would find holding "
-        "another batch). Nothing was recorded or changed; the staged writes stay staged. Apply before or after "
-        "the captured region (outside torch.cuda.graph(...)) instead; capture support is tracked by "
-        "multiwrite's block-table stage issue."
+        f"{what} on {device} during CUDA graph capture (the current stream is capturing): this apply cannot be "
+        "captured (its kernel reads a host ring slot that a replay would find holding another batch). Nothing was "
+        "recorded or changed; the staged writes stay staged. To capture BlockTables.apply_staged_writes(), create "
+        "the tables with BlockTables(..., cuda_graphs=True) and call commit_staged_writes() before each replay; "
+        "otherwise apply outside torch.cuda.graph(...)."
     )
 
 

@@ -25,9 +25,10 @@ class BackendUnavailableError(RuntimeError):
 class GraphCaptureError(RuntimeError):
     """An apply or clear was called while the current CUDA stream is being captured into a CUDA graph.
 
-    multiwrite cannot be captured yet (the kernel reads a host ring slot by address, so a replay would
-    write whatever batch sits there then; tracked by the block-table stage issue). Raised before anything
-    is recorded or changed: staged writes stay staged. Apply outside the captured region instead.
+    An eager apply cannot be captured (its kernel reads a host ring slot by address, so a replay would
+    write whatever batch sits there then). Raised before anything is recorded or changed: staged writes
+    stay staged. Create the tables with `BlockTables(..., cuda_graphs=True)` to capture
+    `apply_staged_writes()`, or apply outside the captured region.
     """
 
 

@@ -145,6 +145,12 @@ class FusedStagedWriter:
             if entry is None:
                 if arena.frozen is not None:
                     _check_frozen(arena)
+                    if getattr(arena.lender, "graph_stage", None) is not None:
+                        raise StagedWriteError(
+                            f"{t.name} belongs to a BlockTables created with cuda_graphs=True: its writes are applied "
+                            "in commit order by BlockTables.apply_staged_writes() or a graph replay, never by a "
+                            "writer directly. Nothing was written and every staged write stays staged"
+                        )
                 groups[id(arena)] = (arena, [t._index])
             elif t._index in entry[1]:
                 continue  # listed twice

@@ -52,7 +52,7 @@ def test_refuse_capture_names_the_operation_and_what_to_do(monkeypatch):
     msg = str(info.value)
     assert "FusedStagedWriter.apply on cuda:0" in msg
     assert "graph capture" in msg and "staged writes stay staged" in msg
-    assert "outside torch.cuda.graph" in msg and "tracked" in msg
+    assert "outside torch.cuda.graph" in msg and "BlockTables(..., cuda_graphs=True)" in msg
     assert isinstance(info.value, RuntimeError)
     # Not capturing, or not a CUDA device: nothing raised (the probe is not even consulted for CPU).
     monkeypatch.setattr(capture_module, "_is_capturing", lambda: False)

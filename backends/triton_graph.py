@@ -1,0 +1,380 @@
+"""CUDA-graph mode of `BlockTables` (`cuda_graphs=True`): the consume kernel and its pinned header ring.
+
+Why a header ring. A captured launch replays with the arguments it was captured with, so the kernel
+cannot be told per step where that step's writes are; and it cannot simply read "whatever is staged"
+either: a replay runs asynchronously, long after `graph.replay()` returned, while the host is already
+staging the next step into the arena. So the host closes each step's batch with ONE host call,
+`BlockTables.commit_staged_writes()`, which writes a header (where the batch's metadata and values sit in
+the pinned ring slot it was staged into, how many writes and values, the slot's completion word and token)
+into the next entry of a pinned header ring, and rotates the arena to a fresh slot. No launch, no driver
+call: host work per step is staging plus writing that header.
+
+Which headers a run consumes. The captured kernel keeps a device-side count of consumed headers and, per
+run, applies exactly ONE header: the next one, if the host has published it (its sequence word says so),
+else nothing. One header per replay is what makes replays exact when the host runs ahead of the device
+(the normal pipelined case): if a replay applied every header published when it RUNS, a replay queued
+behind a busy stream would also apply the writes the host committed for the NEXT step meanwhile (e.g. a
+freed row already overwritten by a new request) before the step it belongs to reads the tables. Hence
+the rule: commit once before each replay (an empty commit publishes an empty header, so a replay then
+applies nothing and the count stays in step). An eager `apply_staged_writes()` (e.g. a prefill run outside
+the graph) commits and launches the same kernel with an explicit limit: it applies every header committed
+so far, in order; a later replay finding no new header does nothing.
+
+The slot guard stays exact: the kernel stores each consumed header's token into the completion word of
+the ring slot the batch was staged in (the lent ring of `triton_kernel`), so the host reuses a slot, and
+a header entry, only once the batch in it has been applied. A commit that finds the ring full of
+committed batches no run has consumed yet waits, warns (`RingWaitWarning`, saying that a replay or an
+eager apply is needed), and after the writer's timeout synchronizes the device and raises `RingStallError`.
+
+The kernel is one program (writes of one header in parallel lanes, headers and overlap rounds one after
+the other, separated by barriers), reads the whole header ring in one volatile load, then metadata and
+values over unified virtual addressing, and finds each write's table through a descriptor table built once: a graph-mode
+`BlockTables` can never replace or resize its tables, so the descriptors' address is fixed for good.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+from multiwrite.backends.triton_kernel import (
+    _INTERPRETER_LOCK,
+    DESC_COLUMNS,
+    INTERPRETED,
+    RingStallError,
+    RingWaitWarning,
+    TritonWriter,
+    _LentRing,
+    overlap_rounds,
+)
+
+from multiwrite.errors import BackendUnavailableError
+from multiwrite.staging import StagingArena
+
+#: int64 words of one header entry: (sequence, meta address, values address, bounds address, completion
+#: word address, token, num_writes | num_rounds << 32, num_values). Sequence `h + 1` publishes header `h`.
+HEADER_WORDS = 8
+(H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, H_COUNTS, H_NUM_VALUES) = range(HEADER_WORDS)
+#: Values of at most this many cells (a decode step) are loaded whole, with the metadata.
+PRELOADED_VALUES: tl.constexpr = tl.constexpr(256)
+DO_NOT_SPECIALIZE = ("desc_addr", "headers_addr", "state_addr", "mirror_addr", "limit", "num_tables")
+BLOCK_W, BLOCK_L, NUM_WARPS = 16, 64, 4
+
+
+def _consume_kernel_fn(
+    desc_addr: tl.int64,  # device int64 [num_tables, 5]: base address, row stride, column stride, rows, columns
+    headers_addr: tl.int64,  # pinned int64 [DEPTH, HEADER_WORDS]
+    state_addr: tl.int64,  # device int64 [2]: headers consumed, runs that found no header
+    mirror_addr: tl.int64,  # pinned int64 [2]: the same two counts, for the host
+    limit: tl.int64,  # consume headers up to this count (eager launch), or -1: the next header only (captured)
+    num_tables: tl.int32,
+    DEPTH: tl.constexpr,  # header ring entries, a power of two
+    NT: tl.constexpr,  # a power of two >= num_tables: every descriptor is loaded up front
+    BLOCK_W: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """Apply the published, unconsumed headers' batches in order (see the module docstring)."""
+    desc = desc_addr.to(tl.pointer_type(tl.int64))
+    headers = headers_addr.to(tl.pointer_type(tl.int64))
+    state = state_addr.to(tl.pointer_type(tl.int64))
+    mirror = mirror_addr.to(tl.pointer_type(tl.int64))
+    lanes_t = tl.arange(0, NT)
+    t_ok = lanes_t < num_tables
+    d_all = desc + lanes_t.to(tl.int64) * 5
+    base_all = tl.load(d_all + 0, mask=t_ok, other=0)
+    row_stride_all = tl.load(d_all + 1, mask=t_ok, other=0)
+    col_stride_all = tl.load(d_all + 2, mask=t_ok, other=0)
+    rows_all = tl.load(d_all + 3, mask=t_ok, other=0)
+    cols_all = tl.load(d_all + 4, mask=t_ok, other=0)
+    lanes_h = tl.arange(0, 8)
+    lanes_d = tl.arange(0, DEPTH)
+    lanes_w = tl.arange(0, BLOCK_W)
+    lanes_l = tl.arange(0, BLOCK_L)
+    lanes_v = tl.arange(0, PRELOADED_VALUES)
+    # The whole header ring at once, at the same time as the consumed count (no dependent round trip over
+    # PCIe). Every header a run may consume was published before the run was issued (a captured run takes
+    # the next one only if already published), so this one read sees all of them.
+    ring = tl.load(headers + lanes_d[:, None] * 8 + lanes_h[None, :], volatile=True)
+    first = tl.load(state)
+    idle = tl.load(state + 1)
+    end = tl.where(limit < 0, first + 1, limit)
+    ok = first < end
+    n = first * 0
+    for h in range(first, end):
+        hdr = tl.sum(tl.where(lanes_d[:, None] == h % DEPTH, ring, 0), axis=0)
+        seq = tl.sum(tl.where(lanes_h == 0, hdr, 0), axis=0)
+        ok = ok & (seq == h + 1)
+        if ok:
+            meta = tl.sum(tl.where(lanes_h == 1, hdr, 0), axis=0).to(tl.pointer_type(tl.int32))
+            values = tl.sum(tl.where(lanes_h == 2, hdr, 0), axis=0).to(tl.pointer_type(tl.int32))
+            bounds = tl.sum(tl.where(lanes_h == 3, hdr, 0), axis=0).to(tl.pointer_type(tl.int32))
+            done_word = tl.sum(tl.where(lanes_h == 4, hdr, 0), axis=0)
+            token = tl.sum(tl.where(lanes_h == 5, hdr, 0), axis=0).to(tl.int32)
+            counts = tl.sum(tl.where(lanes_h == 6, hdr, 0), axis=0)
+            num_values = tl.sum(tl.where(lanes_h == 7, hdr, 0), axis=0).to(tl.int32)
+            num_writes = (counts & 0xFFFFFFFF).to(tl.int32)
+            num_rounds = (counts >> 32).to(tl.int32)
+            multi = num_rounds > 1
+            small = num_values <= PRELOADED_VALUES
+            preload = num_values * small.to(tl.int32)
+            values_all = tl.load(values + lanes_v, mask=lanes_v < preload, other=0, cache_modifier=".cv")
+            for r in range(0, num_rounds):
+                w_begin = tl.load(bounds + r, mask=multi, other=0, cache_modifier=".cv")
+                w_end = tl.load(bounds + r + 1, mask=multi, other=num_writes, cache_modifier=".cv")
+                for w0 in range(w_begin, w_end, BLOCK_W):
+                    w = w0 + lanes_w
+                    live = w < w_end
+                    m = meta + w * 5
+                    t = tl.load(m + 0, mask=live, other=-1, cache_modifier=".cv")
+                    row = tl.load(m + 1, mask=live, other=-1, cache_modifier=".cv")
+                    start = tl.load(m + 2, mask=live, other=-1, cache_modifier=".cv")
+                    length = tl.load(m + 3, mask=live, other=0, cache_modifier=".cv")
+                    voff = tl.load(m + 4, mask=live, other=0, cache_modifier=".cv")
+                    live = live & (t >= 0) & (t < num_tables) & (row >= 0) & (start >= 0) & (length > 0)
+                    pick = t[:, None] == lanes_t[None, :]
+                    base = tl.sum(tl.where(pick, base_all[None, :], 0), axis=1)
+                    row_stride = tl.sum(tl.where(pick, row_stride_all[None, :], 0), axis=1)
+                    col_stride = tl.sum(tl.where(pick, col_stride_all[None, :], 0), axis=1)
+                    rows = tl.sum(tl.where(pick, rows_all[None, :], 0), axis=1)
+                    cols = tl.sum(tl.where(pick, cols_all[None, :], 0), axis=1)
+                    live = live & (row.to(tl.int64) < rows)
+                    cells = tl.where(live, length, 0)
+                    dst = base.to(tl.pointer_type(tl.int32)) + row.to(tl.int64) * row_stride
+                    max_cells = tl.max(cells, axis=0)
+                    for c0 in range(0, max_cells, BLOCK_L):
+                        pos = c0 + lanes_l
+                        col = start[:, None].to(tl.int64) + pos[None, :]
+                        vidx = voff[:, None] + pos[None, :]
+                        keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
+                        if small:
+                            flat = tl.reshape(tl.where(keep, vidx, 0), [BLOCK_W * BLOCK_L])
+                            v = tl.reshape(tl.gather(values_all, flat, 0), [BLOCK_W, BLOCK_L])
+                        else:
+                            v = tl.load(values + vidx, mask=keep, other=0, cache_modifier=".cv")
+                        tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
+                tl.debug_barrier()  # round r's (and this header's) writes land before the next ones
+            # Every load of the batch's slot is done: hand the slot back to the host.
+            tl.store(done_word.to(tl.pointer_type(tl.int32)), token, mask=done_word != 0, cache_modifier=".wt")
+        n += ok.to(tl.int64)
+    tl.debug_barrier()
+    consumed = first + n
+    idle = idle + ((limit < 0) & (n == 0)).to(tl.int64)
+    tl.store(state, consumed)
+    tl.store(state + 1, idle)
+    tl.store(mirror, consumed, cache_modifier=".wt")
+    tl.store(mirror + 1, idle, cache_modifier=".wt")
+
+
+#: The runtime kernel (an `InterpretedFunction` under TRITON_INTERPRET, like the apply kernel).
+_consume_kernel = triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)(_consume_kernel_fn)
+
+
+def compilable_consume_kernel() -> triton.runtime.JITFunction:
+    """The consume kernel as a `JITFunction`, even under the interpreter (for `triton.compile` tests)."""
+    if not INTERPRETED:
+        return _consume_kernel
+    return triton.runtime.JITFunction(_consume_kernel_fn, do_not_specialize=DO_NOT_SPECIALIZE)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class GraphStage:
+    """The graph-mode apply of one `BlockTables`: its header ring, fixed descriptors and the consume kernel.
+
+    Args:
+        writer: the `TritonWriter` of the tables' device (its wait timeouts, kernel slot guard).
+        tables: the 2-D int32 tables of the `BlockTables`, in its arena's table order (fixed for good).
+        lender: the arena's lent ring (`TritonWriter.lend`); its depth is the header ring's depth.
+
+    Attributes:
+        published: headers committed so far (host count).
+        consumed: headers the device has consumed, as last stored into a pinned word (may lag).
+        idle_runs: captured runs (replays) that found no new header (as last stored).
+
+    Raises:
+        BackendUnavailableError: the writer guards its slots with CUDA events (`guard="event"`): a captured
+            launch cannot record one, so graph mode needs the kernel guard.
+    """
+
+    def __init__(self, writer: TritonWriter, tables: list[torch.Tensor], lender: _LentRing):
+        if not writer._kernel_guard:
+            raise BackendUnavailableError(
+                f"BlockTables(cuda_graphs=True) needs the Triton writer's kernel slot guard; this one uses "
+                f"guard={writer.guard!r} (MULTIWRITE_TRITON_GUARD): a replayed kernel cannot record CUDA events"
+            )
+        self.writer = writer
+        self.lender = lender
+        self.ring = lender.ring
+        lender.graph_stage = self  # marks the arena as graph-mode: plain writer applies refuse it
+        if self.ring.depth < 2:
+            raise BackendUnavailableError(
+                f"BlockTables(cuda_graphs=True) needs a Triton ring depth of at least 2 "
+                f"(MULTIWRITE_TRITON_RING_DEPTH), got {self.ring.depth}: a commit hands the arena the next slot"
+            )
+        # Header entries: a power of two (the kernel loads the whole ring at once) >= the slots of the ring,
+        # which bound the committed, unconsumed batches to `ring.depth - 1`.
+        self.depth = depth = _pow2(self.ring.depth)
+        pin = writer.is_gpu
+        device = writer.device
+        self.headers_t = torch.zeros(depth * HEADER_WORDS, dtype=torch.int64, pin_memory=pin)
+        self.headers = self.headers_t.numpy()
+        self._hv = memoryview(self.headers)  # type: ignore[arg-type]  # int64 stores without numpy scalars
+        self.mirror_t = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self.mirror = self.mirror_t.numpy()
+        self._mirror_mv = memoryview(self.mirror)  # type: ignore[arg-type]
+        self.state = torch.zeros(2, dtype=torch.int64, device=device)
+        rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
+        assert len(rows[0]) == DESC_COLUMNS
+        # Fixed for the life of the tables (a graph-mode BlockTables never replaces or resizes them); this
+        # object keeps the tensor alive as long as the BlockTables, which must outlive its graphs.
+        self.descriptors = torch.tensor(rows, dtype=torch.int64).to(device)
+        if writer.is_gpu:
+            torch.cuda.synchronize(device)  # zeroed state and descriptors complete whatever stream launches next
+        self.num_tables = len(rows)
+        self.published = 0
+        self._eager_limit = 0  # headers an eager launch has already been asked to consume
+        self._args = (
+            self.descriptors.data_ptr(),
+            self.headers_t.data_ptr(),
+            self.state.data_ptr(),
+            self.mirror_t.data_ptr(),
+        )
+        self._consts = {"DEPTH": depth, "NT": max(2, _pow2(self.num_tables)), "BLOCK_W": BLOCK_W, "BLOCK_L": BLOCK_L}
+        if writer.is_gpu:
+            self.launch(0)  # compile and load now: never inside a capture
+            torch.cuda.synchronize(device)
+
+    @property
+    def consumed(self) -> int:
+        return int(self._mirror_mv[0])
+
+    @property
+    def idle_runs(self) -> int:
+        return int(self._mirror_mv[1])
+
+    # -- host side ---------------------------------------------------------------------------------
+    def commit(self, arena: StagingArena) -> int:
+        """Publish the arena's staged writes as the next header and rotate the arena to a fresh slot.
+
+        Returns the header's index. An empty arena publishes an empty header (a run consuming it applies
+        nothing). Host work only: a few stores into pinned memory, no launch, no driver call. Waits (and
+        warns, then raises) while the ring is full of committed batches that no run consumed yet;
+        nothing is published or dropped then.
+        """
+        h = self.published
+        ring = self.ring
+        w = arena.num_writes
+        if w:
+            i = self.lender.current
+            nxt = ring.succ[i]
+            if not ring._released(nxt):  # the slot the arena rotates into still holds an unconsumed batch
+                self._wait(lambda: ring._released(nxt), h)
+        if self.consumed < h - self.depth + 1:  # (only without writes: the slot check above is stricter)
+            self._wait(lambda: self.consumed >= h - self.depth + 1, h)
+        hv = self._hv
+        b = (h % self.depth) * HEADER_WORDS
+        if w:
+            slot = ring.slots[i]
+            rounds = 1
+            if arena.may_overlap:  # writes of one (table, row) land in staging order: rounds, as the writer does
+                meta, bounds = overlap_rounds(arena.meta[:w])
+                arena.meta[:w] = meta
+                rounds = bounds.shape[0] - 1
+                slot.bounds[: rounds + 1] = bounds
+            hv[b + H_META] = arena.meta_addr
+            hv[b + H_VALUES] = arena.values_addr
+            hv[b + H_BOUNDS] = slot.bounds_addr
+            hv[b + H_DONE] = ring.done_addr[i]
+            hv[b + H_TOKEN] = ring.next_token(i)
+            hv[b + H_COUNTS] = w | rounds << 32
+            hv[b + H_NUM_VALUES] = arena.num_values
+        else:
+            hv[b + H_DONE] = 0
+            hv[b + H_COUNTS] = 0
+            hv[b + H_NUM_VALUES] = 0
+        hv[b + H_SEQ] = h + 1  # last: publishes the header (x86 stores reach the device in program order)
+        self.published = h + 1
+        if w:
+            arena.clear()
+            arena.rotate()  # the next slot, free (checked above)
+        return h
+
+    def would_wait(self, arena: StagingArena) -> bool:
+        """Whether `commit(arena)` would wait now for a run to consume an earlier batch."""
+        h = self.published
+        if arena.num_writes and not self.ring._released(self.ring.succ[self.lender.current]):
+            return True
+        return self.consumed < h - self.depth + 1
+
+    def _wait(self, released, h: int) -> None:
+        """Poll until `released()`, warn after the writer's `wait_warn_s`, synchronize the device after its
+        `wait_timeout_s`, then raise `RingStallError` if still not released."""
+        writer = self.writer
+        writer.waits += 1
+        t0 = time.perf_counter()
+        warn_at, deadline = t0 + writer.wait_warn_s, t0 + writer.wait_timeout_s
+        warned, pause = False, 0.0
+        while not released():
+            now = time.perf_counter()
+            if not warned and now >= warn_at:
+                warnings.warn(RingWaitWarning(self._full(h, f"has waited {now - t0:.1f} s")), stacklevel=3)
+                warned = True
+            if now >= deadline:
+                if writer.is_gpu:
+                    torch.cuda.synchronize(writer.device)
+                if not released():
+                    raise RingStallError(
+                        self._full(h, f"gave up after {time.perf_counter() - t0:.1f} s and a device synchronization")
+                        + " Nothing was committed; the staged writes stay staged."
+                    )
+                return
+            time.sleep(pause)
+            pause = min(pause * 2 or 2e-6, 1e-3)
+
+    def _full(self, h: int, what: str) -> str:
+        pending = h - self.consumed
+        return (
+            f"commit_staged_writes (header {h}) {what} for a free slot of the graph-mode ring (depth "
+            f"{self.ring.depth}) of BlockTables on {self.writer.device}: {pending} committed batches have not been "
+            "consumed by any run of the apply kernel. Each graph replay consumes ONE committed batch and an eager "
+            "apply_staged_writes() all of them: replay the captured graph (or call apply_staged_writes()) after "
+            "each commit; if replays are queued, the stream they run on is held up by earlier work."
+        )
+
+    # -- launches ---------------------------------------------------------------------------------
+    def launch(self, limit: int) -> None:
+        """Launch the consume kernel on the current stream: `limit = -1` (what a capture records) consumes
+        the next header if published; `limit >= 0` consumes every published header below `limit`."""
+        args = (*self._args, limit, self.num_tables)
+        if not self.writer.is_gpu:
+            with _INTERPRETER_LOCK:
+                _consume_kernel[(1,)](*args, **self._consts, num_warps=NUM_WARPS, num_stages=1)
+            return
+        with torch.cuda.device(self.writer._index):
+            _consume_kernel[(1,)](*args, **self._consts, num_warps=NUM_WARPS, num_stages=1)
+
+    def apply_eager(self) -> None:
+        """Consume every header committed so far (one launch), if any was committed since the last call."""
+        if self.published > self._eager_limit:
+            self.launch(self.published)
+            self._eager_limit = self.published
+
+    def pending(self) -> int:
+        """Committed headers not yet consumed, as far as the host can tell (the device count may lag)."""
+        return self.published - self.consumed
+
+
+def new_graph_stage(writer: TritonWriter, tables: list[torch.Tensor], arena: StagingArena) -> GraphStage:
+    """Attach `arena` (empty) to a lent ring of `writer` and build its `GraphStage`."""
+    assert arena.num_writes == 0
+    lender = writer.lend(arena.np_dtype)
+    arena.attach(lender)
+    return GraphStage(writer, tables, lender)
+
+
+__all__ = ["GraphStage", "HEADER_WORDS", "compilable_consume_kernel", "new_graph_stage"]

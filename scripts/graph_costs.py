@@ -1,0 +1,109 @@
+"""Costs of graph mode (`BlockTables(..., cuda_graphs=True)`, issue 10): a measurement, not a test.
+
+    python scripts/graph_costs.py                    # on the H200: C=40 and C=256, G3, 400 steps each
+    python scripts/graph_costs.py --steps 200 --concurrency 40
+
+Replays the real trace (multiwrite.workload, G3) and prints, per concurrency, medians over decode-sized
+steps (at most 256 staged values) after 50 warm-up steps:
+  - host: staging (the step's append_block_ids) plus `commit_staged_writes()`, and the commit alone, in us
+    and in empty Triton launches timed in the same loop, right after them (the issue's goal: staging plus
+    commit at most 0.5 empty launch per step);
+  - device: what the captured apply adds to a graph, per replay: CUDA events around the replay of a graph
+    [empty launch, apply] and of a graph [empty launch], alternating step by step, each replay consuming a
+    real committed step (the goal: at most 3 us at C=256).
+The device is synchronized after each step, outside the timed regions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from multiwrite import BlockTables
+from multiwrite.bench.floor_kernel import empty_kernel
+from multiwrite.workload import CONFIGS, load_trace, max_blocks_per_group, replay_steps
+
+WARMUP = 50
+DECODE_VALUES = 256
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def measure(concurrency: int, steps: int) -> dict[str, float]:
+    block_sizes, kernel_block_sizes = CONFIGS["G3"]
+    widths = max_blocks_per_group(block_sizes)
+    bt = BlockTables(block_sizes, concurrency, widths, "cuda", kernel_block_sizes, cuda_graphs=True)
+    word = torch.zeros(1, device="cuda")
+    empty_kernel[(1,)](word)  # compiled before any capture
+    torch.cuda.synchronize()
+
+    def floor():
+        empty_kernel[(1,)](word)
+
+    def with_apply():
+        floor()
+        bt.apply_staged_writes()
+
+    g_with, g_without = _graph(with_apply), _graph(floor)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    clock = time.perf_counter_ns
+    step_ns, commit_ns, launch_ns, with_us, without_us = [], [], [], [], []
+    for i, calls in enumerate(replay_steps(load_trace(), block_sizes, concurrency, steps)):
+        t0 = clock()
+        for req, ids, overwrite in calls:
+            bt.append_block_ids(req, ids, overwrite)
+        t1 = clock()
+        decode = bt._arena.num_values <= DECODE_VALUES
+        bt.commit_staged_writes()
+        t2 = clock()
+        floor()
+        t3 = clock()
+        torch.cuda.synchronize()
+        graph = g_with if i % 2 == 0 else g_without
+        if graph is g_without:
+            g_with.replay()  # consume this step's batch outside the timed replay
+            torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= WARMUP and decode:
+            step_ns.append(t2 - t0)
+            commit_ns.append(t2 - t1)
+            launch_ns.append(t3 - t2)
+            (with_us if graph is g_with else without_us).append(start.elapsed_time(end) * 1e3)
+    launch = statistics.median(launch_ns) / 1e3
+    return {
+        "steps": len(step_ns),
+        "staging+commit us": statistics.median(step_ns) / 1e3,
+        "commit us": statistics.median(commit_ns) / 1e3,
+        "empty launch us": launch,
+        "staging+commit / empty launch": statistics.median(step_ns) / 1e3 / launch,
+        "graph with apply us": statistics.median(with_us),
+        "graph without us": statistics.median(without_us),
+        "device time added us": statistics.median(with_us) - statistics.median(without_us),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[40, 256])
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    for c in args.concurrency:
+        result = measure(c, args.steps)
+        parts = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
+        print(f"C={c} G3: " + ", ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
