@@ -67,10 +67,11 @@ def _add_check_backend(sub: argparse._SubParsersAction, common: argparse.Argumen
 
 
 def _cmd_check_backend(args: argparse.Namespace) -> int:
-    try:
-        from multiwrite.testing import check_backend
-    except ImportError as exc:
-        raise UsageError(f"check-backend needs the test extra (pip install 'multiwrite[test]'): {exc}") from None
+    from multiwrite.testing import check_backend, kit_problem
+
+    problem = kit_problem(args.name, args.device)  # refused up front: one line, exit 2 (not 16 FAIL lines)
+    if problem is not None:
+        raise RefusedError(problem)
     return check_backend(args.name, args.device, args.examples)
 
 

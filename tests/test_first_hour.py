@@ -1,0 +1,81 @@
+"""What a new user hits in the first hour: each case is a report of a fresh-eyes trial, fixed for its kind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*argv: str, pre: str = "") -> subprocess.CompletedProcess:
+    """Run `python -m multiwrite ARGV` (after `pre`, Python run first in the same process)."""
+    code = (
+        f"import runpy, sys\n{pre}\nsys.argv = ['multiwrite', *{list(argv)!r}]\n"
+        "runpy.run_module('multiwrite', run_name='__main__')"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+# 1. check-backend refuses up front (exit 2, one line) what would fail every property.
+
+
+def test_check_backend_without_the_test_extra_is_one_line_exit_2():
+    r = _cli("check-backend", "torch-cpu", pre="sys.modules['pytest'] = None; sys.modules['hypothesis'] = None")
+    assert r.returncode == 2, r.stderr + r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "multiwrite[test]" in lines[0] and "pytest" in lines[0], r.stderr
+    assert "FAIL" not in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (("check-backend", "nope"), "registered backends: "),
+        (("check-backend", "compiled-cpu", "--device", "cuda"), "cannot run"),
+    ],
+)
+def test_check_backend_unknown_or_unavailable_backend_is_one_line_exit_2(argv, needle):
+    r = _cli(*argv)
+    assert r.returncode == 2, r.stderr + r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert ("torch-cpu" if "nope" in argv else "compiled-cpu") in lines[0]
+    assert "FAIL" not in r.stdout
+
+
+# 2. Ctrl-C while the command starts: `import multiwrite.cli` loads neither torch nor numpy.
+
+
+def test_importing_the_cli_loads_neither_torch_nor_numpy():
+    code = (
+        "import sys, multiwrite.cli\n"
+        "heavy = [m for m in ('torch', 'numpy', 'triton') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "import multiwrite\n"
+        "from multiwrite import BlockTables, StagedWriteTensor, hookimpl, __version__\n"
+        "assert 'torch' in sys.modules and set(multiwrite.__all__) <= set(dir(multiwrite))\n"
+        "assert multiwrite.BlockTables is BlockTables\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_unknown_public_name_is_an_attribute_error():
+    import multiwrite
+
+    with pytest.raises(AttributeError, match="no_such_name"):
+        multiwrite.no_such_name  # noqa: B018
+
+
+# 7. StageInputError is public, where the other errors are.
+
+
+def test_stage_input_error_is_importable_from_multiwrite_and_errors():
+    import multiwrite
+    import multiwrite.errors
+    import multiwrite.stage
+
+    assert multiwrite.StageInputError is multiwrite.errors.StageInputError is multiwrite.stage.StageInputError
+    assert "StageInputError" in multiwrite.__all__
+    assert issubclass(multiwrite.StageInputError, ValueError)
