@@ -479,7 +479,7 @@ class BlockTables:
         Raises:
             StageInputError: a wrong shape or dtype, `num_reqs` or `num_reqs_padded` above `max_num_reqs`, a
                 row outside `[0, max_num_reqs)` (checked for host inputs; device values are not read).
-            GraphCaptureError (RuntimeError until the graph work lands): called during CUDA graph capture.
+            GraphCaptureError: called during CUDA graph capture; nothing is applied or written.
         """
         return _stage.gather_block_tables(self, idx_mapping, num_reqs_padded)
 
@@ -515,7 +515,7 @@ class BlockTables:
             StageInputError: wrong shapes or dtypes, counts above the buffers, and for host inputs bad
                 values: a row outside the tables, `query_start_loc` not starting at 0 or decreasing, a
                 negative position or one past its table's row (naming token, request, group and width).
-            GraphCaptureError (RuntimeError until the graph work lands): called during CUDA graph capture.
+            GraphCaptureError: called during CUDA graph capture; nothing is applied or written.
         """
         return _stage.compute_slot_mappings(
             self, idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding
