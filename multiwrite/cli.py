@@ -21,6 +21,7 @@ from multiwrite.cli_args import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    OneLineParser,
     RefusedError,
     UsageError,
     common_options,
@@ -85,7 +86,7 @@ SUBCOMMANDS: dict[str, AddParser] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `multiwrite` command, every entry of `SUBCOMMANDS` registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="multiwrite",
         description="Fused block-table writes for paged-KV-cache LLM serving.",
         epilog=EXIT_CODES_HELP,

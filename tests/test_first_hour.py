@@ -79,3 +79,27 @@ def test_stage_input_error_is_importable_from_multiwrite_and_errors():
     assert multiwrite.StageInputError is multiwrite.errors.StageInputError is multiwrite.stage.StageInputError
     assert "StageInputError" in multiwrite.__all__
     assert issubclass(multiwrite.StageInputError, ValueError)
+
+
+# 3. Every argparse error is one line on stderr, exit 2, for every subcommand.
+
+
+@pytest.mark.parametrize(
+    ("argv", "prefix"),
+    [
+        (("replay", "--block-sizes", "16,,8"), "multiwrite replay: error: argument --block-sizes: empty item"),
+        (("replay", "--steps", "0"), "multiwrite replay: error: argument --steps: "),
+        (("replay", "--overlap-rate", "nan"), "multiwrite replay: error: argument --overlap-rate: "),
+        (("replay", "--block-sizes", "16,16", "--kernel-block-sizes", "16"), "multiwrite replay: error: "),
+        (("bench", "--configs", "G9"), "multiwrite bench: error: argument --configs: "),
+        (("check-backend", "torch-cpu", "--examples", "0"), "multiwrite check-backend: error: argument --examples"),
+        (("info", "--bogus"), "multiwrite: error: unrecognized arguments: --bogus"),
+        (("nosuch",), "multiwrite: error: argument command: invalid choice"),
+    ],
+)
+def test_argparse_errors_are_one_line(argv, prefix):
+    r = subprocess.run([sys.executable, "-m", "multiwrite", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), r.stderr
+    assert "usage:" not in r.stderr and r.stdout == ""
