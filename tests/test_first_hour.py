@@ -103,3 +103,34 @@ def test_argparse_errors_are_one_line(argv, prefix):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(prefix), r.stderr
     assert "usage:" not in r.stderr and r.stdout == ""
+
+
+# 4. append_block_ids(overwrite=...) takes a bool only, on both staging paths; 6. a dict of groups is named.
+
+
+def _tables():
+    from multiwrite import BlockTables
+
+    return BlockTables([16, 32], 4, [10, 10], "cpu")
+
+
+@pytest.mark.parametrize("bad", ["no", None, 1, 0.0, "False"])
+def test_overwrite_must_be_a_bool(staging, bad):
+    from multiwrite import StagedWriteError
+
+    bt = _tables()
+    bt.append_block_ids(0, [[1], [2]], True)
+    with pytest.raises(StagedWriteError, match=rf"overwrite must be a bool.*got {bad!r}"):
+        bt.append_block_ids(0, [[3], [4]], bad)
+    bt.append_block_ids(1, [[5], [6]], __import__("numpy").bool_(True))  # numpy's bool is a bool
+    bt.apply_staged_writes()
+    assert bt[0].tensor[:2, 0].tolist() == [1, 5]  # row 0 kept its ids, row 1 was written from column 0
+    assert bt[1].tensor[:2, :2].tolist() == [[2, 0], [6, 0]]  # the refused write (ids 3, 4) staged nothing
+
+
+def test_a_dict_of_groups_is_refused_as_such(staging):
+    from multiwrite import StagedWriteError
+
+    bt = _tables()
+    with pytest.raises(StagedWriteError, match="a dict is not a sequence of per-group lists"):
+        bt.append_block_ids(0, {0: [1], 1: [2]}, True)
