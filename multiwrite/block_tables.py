@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,17 @@ _FIXED = (
     "allocation; build a new BlockTables with the new sizes"
 )
 
+
+
+def _overwrite_flag(req_index: object, overwrite: object) -> bool:
+    """`overwrite` as a Python bool when it is a `numpy.bool_`; anything else but a bool is refused (a
+    truthy string like "no" would overwrite, None would append)."""
+    if isinstance(overwrite, np.bool_):
+        return bool(overwrite)
+    raise StagedWriteError(
+        f"append_block_ids: request row {req_index!r}: overwrite must be a bool (True: a new request from column "
+        f"0, False: append after the row's blocks), got {overwrite!r} ({type(overwrite).__name__})"
+    )
 
 class BlockTables:
     """The block tables of every KV-cache group of a model, staged on the host, applied in one call.
@@ -266,9 +277,11 @@ class BlockTables:
 
         Raises:
             StagedWriteError: wrong number of groups, row outside the tables, a row that would overflow
-                its width, ids that are not integers or whose kernel ids overflow int32. Nothing is
-                staged for any group then.
+                its width, ids that are not integers or whose kernel ids overflow int32, an `overwrite`
+                that is not a bool (`True`, `False` or a `numpy.bool_`). Nothing is staged for any group then.
         """
+        if overwrite is not True and overwrite is not False:
+            overwrite = _overwrite_flag(req_index, overwrite)
         if _stage_block_ids is not None:
             _stage_block_ids(self, req_index, new_block_ids, overwrite)  # falls back to the Python path itself
         else:
@@ -286,6 +299,12 @@ class BlockTables:
     def _append_block_ids_python(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
         """`append_block_ids` without the compiled path: same checks, same staged data, precise errors."""
         groups = self._groups
+        if isinstance(new_block_ids, Mapping):
+            raise StagedWriteError(
+                f"append_block_ids: request row {req_index!r}: new_block_ids must be one sequence of block ids per "
+                f"KV-cache group in group order, got a {type(new_block_ids).__name__} (a dict is not a sequence of "
+                "per-group lists: pass [ids of group 0, ids of group 1, ...])"
+            )
         if not isinstance(new_block_ids, Sequence):
             try:
                 new_block_ids = list(new_block_ids)  # a generator of per-group lists

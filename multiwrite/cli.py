@@ -21,6 +21,7 @@ from multiwrite.cli_args import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    OneLineParser,
     RefusedError,
     UsageError,
     common_options,
@@ -67,10 +68,11 @@ def _add_check_backend(sub: argparse._SubParsersAction, common: argparse.Argumen
 
 
 def _cmd_check_backend(args: argparse.Namespace) -> int:
-    try:
-        from multiwrite.testing import check_backend
-    except ImportError as exc:
-        raise UsageError(f"check-backend needs the test extra (pip install 'multiwrite[test]'): {exc}") from None
+    from multiwrite.testing import check_backend, kit_problem
+
+    problem = kit_problem(args.name, args.device)  # refused up front: one line, exit 2 (not 16 FAIL lines)
+    if problem is not None:
+        raise RefusedError(problem)
     return check_backend(args.name, args.device, args.examples)
 
 
@@ -84,7 +86,7 @@ SUBCOMMANDS: dict[str, AddParser] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `multiwrite` command, every entry of `SUBCOMMANDS` registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="multiwrite",
         description="Fused block-table writes for paged-KV-cache LLM serving.",
         epilog=EXIT_CODES_HELP,

@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 #: Exit codes of the `multiwrite` command (printed by `--help`, listed in README.md).
 EXIT_OK = 0
@@ -34,6 +35,15 @@ class UsageError(ValueError):
 
 class RefusedError(ValueError):
     """The run cannot fit (memory, value range): refused before it starts, one line, exit code 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose errors are one line on stderr, exit code 2 (argparse prints the whole
+    usage block first): `multiwrite replay: error: argument --steps: ... (see multiwrite replay --help)`.
+    Subparsers made through `add_subparsers().add_parser` inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 def int_list(text: str) -> list[int]:
@@ -75,7 +85,7 @@ def _int(text: str) -> int:
 
 def common_options() -> argparse.ArgumentParser:
     """A parent parser with the options every subcommand takes (`--debug`)."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = OneLineParser(add_help=False)
     p.add_argument("--debug", action="store_true", help="on an unexpected error, print the traceback (exit code 3)")
     return p
 

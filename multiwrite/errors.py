@@ -15,6 +15,15 @@ class StagedWriteError(ValueError):
     """
 
 
+class StageInputError(ValueError):
+    """Inputs of `gather_block_tables`, `compute_slot_mappings` or `prepare_inputs` that cannot be used.
+
+    Raised before anything is written or applied: the message names the argument, the value or shape found
+    and what is accepted (e.g. a request row outside the tables, a padded count above the buffers, a token
+    position past its table's row). Staged writes stay staged.
+    """
+
+
 class BackendUnavailableError(RuntimeError):
     """No backend can run the requested apply, or a forced backend cannot.
 

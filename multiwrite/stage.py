@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from multiwrite.capture import refuse_capture
-from multiwrite.errors import StagedWriteError
+from multiwrite.errors import StagedWriteError, StageInputError  # re-exported: it was defined here
 from multiwrite.reference import PAD_SLOT_ID
 
 if TYPE_CHECKING:
@@ -57,15 +57,6 @@ __all__ = [
 ]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-class StageInputError(ValueError):
-    """Inputs of `gather_block_tables`, `compute_slot_mappings` or `prepare_inputs` that cannot be used.
-
-    Raised before anything is written or applied: the message names the argument, the value or shape found
-    and what is accepted (e.g. a request row outside the tables, a padded count above the buffers, a token
-    position past its table's row). Staged writes stay staged.
-    """
 
 
 class StageInputs:

@@ -112,7 +112,10 @@ def test_an_empty_list_item_is_an_argument_error(results):
 def test_a_length_mismatch_is_reported_like_every_argument_error(results):
     proc, other = results["kernel-length-mismatch"], results["empty-list-item"]
     assert proc.returncode == 2
-    assert proc.stderr.startswith("usage: multiwrite replay") and other.stderr.startswith("usage: multiwrite replay")
+    assert proc.stderr.startswith("multiwrite replay: error: argument") and other.stderr.startswith(
+        "multiwrite replay: error: argument"
+    )
+    assert len(proc.stderr.strip().splitlines()) == len(other.stderr.strip().splitlines()) == 1
     assert "multiwrite replay: error: argument --kernel-block-sizes: 1 entry for the 2 groups" in proc.stderr
 
 

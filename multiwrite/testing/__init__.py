@@ -23,7 +23,10 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["PropertyResult", "check_backend", "run_kit"]
+__all__ = ["PropertyResult", "check_backend", "kit_problem", "run_kit"]
+
+#: Modules the kit's pytest subprocess needs (the `test` extra).
+KIT_REQUIREMENTS = ("pytest", "hypothesis")
 
 
 @dataclass
@@ -86,14 +89,58 @@ def run_kit(
         return proc.returncode, list(results.values()), proc.stdout + proc.stderr
 
 
+def kit_problem(name: str, device: str | None = None) -> str | None:
+    """Why the kit cannot run against backend `name` on `device` at all, as one line; None when it can.
+
+    Checked before the kit starts (it would otherwise report every property failed): the `test` extra
+    (pytest, hypothesis) is installed, `name` is a registered backend, and it can run on `device` (or, with
+    no device, on one of the devices the kit's `multiwrite_device` fixture tries).
+    """
+    import importlib.util
+
+    missing = [m for m in KIT_REQUIREMENTS if importlib.util.find_spec(m) is None]
+    if missing:
+        return (
+            f"the conformance kit needs {' and '.join(missing)}: install the test extra "
+            "(pip install 'multiwrite[test]')"
+        )
+    if device is not None and device.startswith("cpu"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # as the kit's plugin does, before Triton loads
+    import torch
+
+    from multiwrite import available_backends
+    from multiwrite.testing.plugin import _candidate_devices
+
+    try:
+        candidates = [torch.device(device)] if device else _candidate_devices()
+    except (RuntimeError, ValueError) as exc:
+        return f"bad --device {device!r}: {exc}"
+    why = []
+    for dev in candidates:
+        statuses = available_backends(dev)
+        match = [s for s in statuses if s.name == name and s.taken_by is None]
+        if not match:
+            names = ", ".join(sorted({s.name for s in statuses if s.taken_by is None})) or "none"
+            return f"unknown backend {name!r}; registered backends: {names}"
+        if match[0].available:
+            return None
+        why.append(f"{dev}: " + "; ".join(match[0].reasons))
+    return f"backend {name!r} cannot run: " + " | ".join(why)
+
+
 def check_backend(
     name: str, device: str | None = None, examples: int | None = None, out: Callable[[str], None] = print
 ) -> int:
     """Run the kit against backend `name` on `device` and print one line per property.
 
-    Returns 0 when every property passed, 1 when any failed (or nothing ran: the backend cannot run,
-    its reasons are printed).
+    Returns 0 when every property passed, 1 when any failed (or nothing ran), 2 when the kit cannot run
+    at all (`kit_problem`: the test extra missing, an unknown backend, one that cannot run on `device`),
+    after printing that reason as one line.
     """
+    problem = kit_problem(name, device)
+    if problem is not None:
+        out(f"multiwrite check-backend: error: {problem}")
+        return 2
     code, results, output = run_kit(name, device, examples)
     width = max((len(r.name) for r in results), default=0)
     for r in results:
