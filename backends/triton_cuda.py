@@ -110,7 +110,8 @@ class _TritonBackend(Backend):
             return reasons + triton_reasons()
         reasons = super().not_supported_reasons(device, dtypes)
         if device.type == "cpu":
-            reasons[0] += " (TRITON_INTERPRET=1 runs this backend on CPU through Triton's interpreter)"
+            if not triton_reasons():  # the hint only helps where Triton imports
+                reasons[0] += " (TRITON_INTERPRET=1 runs this backend on CPU through Triton's interpreter)"
             return reasons
         reasons += triton_reasons()
         if device.type != "cuda":

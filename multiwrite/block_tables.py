@@ -22,6 +22,7 @@ from multiwrite.staging import (
     _checked_values,
     check_device,
     expand_kernel_blocks,
+    strict_index,
     table_layout,
 )
 from multiwrite.writer import FusedStagedWriter, _check_frozen
@@ -128,10 +129,12 @@ class BlockTables:
         cuda_graphs: bool = False,
     ):
         def ints(what: str, seq: Sequence[int]) -> list[int]:
+            if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
+                raise StagedWriteError(f"BlockTables: {what} must be a sequence of integers, got {seq!r}")
             try:
-                values = [operator.index(x) for x in seq]
+                values = [strict_index(x) for x in seq]
             except TypeError:
-                raise StagedWriteError(f"BlockTables: {what} must be integers, got {list(seq)!r}") from None
+                raise StagedWriteError(f"BlockTables: {what} must be integers, got {seq!r}") from None
             if any(x < 1 for x in values):
                 raise StagedWriteError(f"BlockTables: {what} must be >= 1, got {values}")
             return values
@@ -144,7 +147,12 @@ class BlockTables:
             "kernel_block_sizes", block_sizes if kernel_block_sizes is None else kernel_block_sizes
         )
         self.max_num_blocks_per_group = ints("max_num_blocks_per_group", max_num_blocks_per_group)
-        self.max_num_reqs = ints("max_num_reqs", [max_num_reqs])[0]
+        try:
+            self.max_num_reqs = strict_index(max_num_reqs)
+        except TypeError:
+            raise StagedWriteError(f"BlockTables: max_num_reqs must be an integer, got {max_num_reqs!r}") from None
+        if self.max_num_reqs < 1:
+            raise StagedWriteError(f"BlockTables: max_num_reqs must be >= 1, got {self.max_num_reqs}")
         for what, seq in (
             ("max_num_blocks_per_group", self.max_num_blocks_per_group),
             ("kernel_block_sizes", self.kernel_block_sizes),
@@ -323,7 +331,7 @@ class BlockTables:
             raise StagedWriteError(f"append_block_ids: request row {req_index!r} must be an integer, not a bool")
         if type(req) is not int:
             try:
-                req = operator.index(req)
+                req = strict_index(req)
             except TypeError:
                 raise StagedWriteError(f"append_block_ids: request row {req_index!r} is not an integer") from None
         if not 0 <= req < self.max_num_reqs:

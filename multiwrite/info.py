@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 import torch
 
@@ -48,6 +49,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     if len(devices) == 1:
         devices.append(torch.device("cuda"))  # say why the GPU backends cannot run here
     forced = os.environ.get(BACKEND_ENV) or None
+    with warnings.catch_warnings(record=True) as caught:  # said once, after the listing, not inside it
+        warnings.simplefilter("always")
+        _list_backends(args, devices, forced)
+    notes = list(dict.fromkeys(str(w.message) for w in caught))
+    if notes:
+        print("warnings:")
+        for note in notes:
+            print(f"  {note}")
+    return 0
+
+
+def _list_backends(args: argparse.Namespace, devices: list[torch.device], forced: str | None) -> None:
     for device in devices[:2]:
         print(f"backends for {device}:")
         statuses = available_backends(device)
@@ -73,4 +86,3 @@ def cmd_info(args: argparse.Namespace) -> int:
             else:
                 why = "; ".join(owner.reasons)
             print(f"  forced by ${BACKEND_ENV}={forced}: cannot run: {why}")
-    return 0

@@ -113,6 +113,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def strict_index(x: Any) -> int:
+    """`x` as a Python int for a row, start, size or count: anything `operator.index` takes but a bool
+    (`True`, `numpy.bool_`, a one-element bool tensor or array), which would silently mean 1 or 0.
+
+    Raises:
+        TypeError: `x` is a bool or not an integer (callers turn it into their `StagedWriteError`).
+    """
+    if x.__class__ is int:
+        return x
+    if isinstance(x, (bool, np.bool_)) or getattr(x, "dtype", None) in (torch.bool, np.bool_):
+        raise TypeError(f"a bool ({x!r}), not an integer")
+    return operator.index(x)
+
+
 def check_dtype(dtype: torch.dtype, what: str) -> None:
     """Raise `StagedWriteError` unless `dtype` is one multiwrite can stage (int32, int64, float32)."""
     if dtype not in SUPPORTED_DTYPES:
@@ -364,6 +378,10 @@ def _checked_values(values: Any, np_dtype: type[np.generic], describe: Any) -> t
             allowed = ", ".join(sorted(dtype_name(d) for d in _TENSOR_VALUE_DTYPES))
             raise StagedWriteError(f"{describe(values.numel())}: values of dtype {values.dtype} (supported: {allowed})")
         values = values.detach().numpy()
+    if isinstance(values, (str, bytes, bytearray, memoryview)):
+        raise StagedWriteError(
+            f"{describe(len(values))}: values must be numbers, got a {type(values).__name__} ({values!r:.40})"
+        )
     if isinstance(values, (set, frozenset, dict)):
         raise StagedWriteError(
             f"{describe(len(values))}: values must be an ordered sequence, got a {type(values).__name__}"
@@ -473,7 +491,7 @@ class StagedWriteTensor:
     ):
         check_dtype(dtype, f"{name}")
         try:
-            shape = (operator.index(size),) if not isinstance(size, Sequence) else tuple(map(operator.index, size))
+            shape = (strict_index(size),) if not isinstance(size, Sequence) else tuple(map(strict_index, size))
         except TypeError:
             raise StagedWriteError(f"{name}: size must be integers (rows, columns) or n, got {size!r}") from None
         if len(shape) not in (1, 2) or min(shape) < 0 or max(shape) > _INT32_MAX:
@@ -605,12 +623,12 @@ class StagedWriteTensor:
                 value the dtype cannot hold. Nothing is staged then.
         """
         if type(index) is not int or type(start) is not int:
-            if index.__class__ is bool or start.__class__ is bool:
-                raise StagedWriteError(f"{self._describe(index, start)}: row and start must be integers, not bools")
             try:
-                index, start = operator.index(index), operator.index(start)
-            except TypeError:
-                raise StagedWriteError(f"{self._describe(index, start)}: row and start must be integers") from None
+                index, start = strict_index(index), strict_index(start)
+            except TypeError as exc:
+                raise StagedWriteError(
+                    f"{self._describe(index, start)}: row and start must be integers ({exc})"
+                ) from None
         # Short int lists are checked value by value by the memoryview stores (bools here); anything else
         # by _checked_values.
         fast = type(values) in (list, tuple) and len(values) <= 8 and self._np_dtype is not np.float32
