@@ -89,7 +89,7 @@ def test_float_tables_cannot_expand_kernel_blocks():
         (lambda: StagedWriteTensor((2.5, 3)), "size must be integers"),
         (lambda: StagedWriteTensor((2, 3), kernel_blocks_per_block=1.5), "must be an integer"),
         (lambda: BlockTables([16.7], 2, [4], "cpu"), "block_sizes must be integers"),
-        (lambda: BlockTables([16], 2.5, [4], "cpu"), "max_num_reqs must be integers"),
+        (lambda: BlockTables([16], 2.5, [4], "cpu"), "max_num_reqs must be an integer, got 2.5"),
         (lambda: BlockTables([16], 2, [0], "cpu"), "max_num_blocks_per_group must be >= 1"),
         (lambda: BlockTables([16], 2, [-1], "cpu"), "max_num_blocks_per_group must be >= 1"),
     ],
@@ -128,7 +128,7 @@ def test_bool_rows_are_rejected(staging, backend):
     with pytest.raises(StagedWriteError, match="not a bool"):
         bt.append_block_ids(True, ([9], []), True)
     t = StagedWriteTensor((2, 4), torch.int32, backend.device)
-    with pytest.raises(StagedWriteError, match="not bools"):
+    with pytest.raises(StagedWriteError, match=r"a bool \(True\), not an integer"):
         t.stage_write(True, 0, [1])
     assert bt.num_blocks.sum() == 0 and t.num_staged_writes == 0
 
