@@ -31,6 +31,8 @@ DEFAULT_EXAMPLES = 50
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """Register the kit's options: `--multiwrite-backend NAME` (turns the kit on), `--multiwrite-device DEV`
+    and `--multiwrite-examples N` (hypothesis examples per property)."""
     group = parser.getgroup("multiwrite", "multiwrite backend conformance kit")
     group.addoption(
         "--multiwrite-backend",
@@ -65,6 +67,8 @@ def _suite_paths() -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """With `--multiwrite-backend`, prepare the run for it (Triton's interpreter for CPU tables, chosen
+    before anything imports Triton); without it, do nothing: the plugin is inert."""
     if config.getoption("--multiwrite-backend", default=None):
         # Triton backends run on CPU tensors only through Triton's interpreter, which must be chosen
         # before anything imports Triton.

@@ -21,6 +21,7 @@ _NP = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 @pytest.fixture
 def kit(multiwrite_kit):
+    """The `Kit` under test (backend name, device, tensor factory, `to_host`); see `multiwrite_kit`."""
     return multiwrite_kit
 
 
