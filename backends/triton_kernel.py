@@ -492,6 +492,65 @@ class _LentRing(StagingBuffers):
         self.owner._retiring.append(self.ring)
 
 
+def bind_fast_launcher(
+    kernel, consts: tuple, device: torch.device, launcher: str, validate: Callable[[Callable], None]
+) -> tuple[Callable | None, str]:
+    """A launch function `fire(grid0, grid1, stream, args)` for a compiled `kernel` that bypasses the JIT,
+    and the launch path it gives (`TritonWriter.launch_path`'s vocabulary); (None, why) when none works.
+
+    Candidates, fastest first: Triton's compiled C launcher called directly (NVIDIA, Triton 3.6 and 3.9
+    calling conventions, no scratch memory; only with `launcher == "auto"`), then `CompiledKernel.run`.
+    `validate(fire)` must pass (one no-op launch of the caller's choosing) before a candidate is used.
+    Shared by the apply kernel's writer and the fused stage launcher (`triton_stage`).
+    """
+    reasons = []
+    try:
+        from triton import knobs
+
+        hook = getattr(knobs.runtime, "launch_enter_hook", None)
+        if hook is not None and getattr(hook, "calls", True):
+            raise RuntimeError("Triton launch hooks are installed (profiling): keep the JIT path")
+        run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+    except Exception as exc:
+        return None, f"jit (no fast launcher: {type(exc).__name__}: {exc})"
+    candidates = []
+    launch = getattr(run, "launch", None)
+    if launcher == "auto" and device.type == "cuda" and torch.version.hip is None and launch is not None:
+        scratch = (getattr(run, "global_scratch_size", 1), getattr(run, "profile_scratch_size", 1))
+        coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
+        if scratch == (0, 0) and coop is not None and pdl is not None and not getattr(run, "gsan_enabled", False):
+            if hasattr(run, "arg_annotations"):  # Triton 3.9: (..., hooks, scratch, annotations, sig, args)
+                ann, ksig = run.arg_annotations, run.kernel_signature
+
+                def fire(g0, g1, stream, args):
+                    launch(g0, g1, 1, stream, function, coop, pdl, packed, None, None, None, None, None,
+                           ann, ksig, (*args, *consts))  # fmt: skip
+
+            else:  # Triton 3.6: (..., scratch, scratch, metadata, launch metadata, hooks, *args)
+
+                def fire(g0, g1, stream, args):
+                    launch(g0, g1, 1, stream, function, coop, pdl, None, None, packed, None, None, None,
+                           *args, *consts)  # fmt: skip
+
+            candidates.append(("c-launcher", fire))
+        else:
+            reasons.append(f"c-launcher: scratch={scratch} cooperative={coop} pdl={pdl}")
+
+    def fire_run(g0, g1, stream, args):
+        run(g0, g1, 1, stream, function, packed, None, None, None, *args, *consts)
+
+    candidates.append(("compiled-kernel-run", fire_run))
+    for name, fire in candidates:
+        try:
+            validate(fire)
+        except Exception as exc:
+            reasons.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        path = f"{name} (triton {triton.__version__})"
+        return fire, path + (f"; not used: {'; '.join(reasons)}" if reasons else "")
+    return None, f"jit (no fast launcher: {'; '.join(reasons)})"
+
+
 class TritonWriter:
     """Applies `WriteBatch`es to the tables of one device with one kernel launch per batch.
 
@@ -717,62 +776,10 @@ class TritonWriter:
                 self._fire[variant] = self._bind_fast(kernel, (consts["VALUE_DTYPE"], bw, bl))
 
     def _bind_fast(self, kernel, consts: tuple):
-        """A launch function `fire(grid0, grid1, stream, args)` that bypasses the JIT, or None.
-
-        Candidates, fastest first: Triton's compiled C launcher called directly (NVIDIA, Triton 3.6 and
-        3.9 calling conventions, no scratch memory), then `CompiledKernel.run`. Each must pass one no-op
-        launch (no writes; it must store its token into the validation word) before it is used.
-        """
-        reasons = []
-        try:
-            from triton import knobs
-
-            hook = getattr(knobs.runtime, "launch_enter_hook", None)
-            if hook is not None and getattr(hook, "calls", True):
-                raise RuntimeError("Triton launch hooks are installed (profiling): keep the JIT path")
-            run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
-        except Exception as exc:
-            self.launch_path = f"jit (no fast launcher: {type(exc).__name__}: {exc})"
-            return None
-        candidates = []
-        launch = getattr(run, "launch", None)
-        if self.launcher == "auto" and self.device.type == "cuda" and torch.version.hip is None and launch is not None:
-            scratch = (getattr(run, "global_scratch_size", 1), getattr(run, "profile_scratch_size", 1))
-            coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
-            if scratch == (0, 0) and coop is not None and pdl is not None and not getattr(run, "gsan_enabled", False):
-                if hasattr(run, "arg_annotations"):  # Triton 3.9: (..., hooks, scratch, annotations, sig, args)
-                    ann, ksig = run.arg_annotations, run.kernel_signature
-
-                    def fire(g0, g1, stream, args):
-                        launch(g0, g1, 1, stream, function, coop, pdl, packed, None, None, None, None, None,
-                               ann, ksig, (*args, *consts))  # fmt: skip
-
-                else:  # Triton 3.6: (..., scratch, scratch, metadata, launch metadata, hooks, *args)
-
-                    def fire(g0, g1, stream, args):
-                        launch(g0, g1, 1, stream, function, coop, pdl, None, None, packed, None, None, None,
-                               *args, *consts)  # fmt: skip
-
-                candidates.append(("c-launcher", fire))
-            else:
-                reasons.append(f"c-launcher: scratch={scratch} cooperative={coop} pdl={pdl}")
-
-        def fire_run(g0, g1, stream, args):
-            run(g0, g1, 1, stream, function, packed, None, None, None, *args, *consts)
-
-        candidates.append(("compiled-kernel-run", fire_run))
-        for name, fire in candidates:
-            try:
-                self._validate(fire)
-            except Exception as exc:
-                reasons.append(f"{name}: {type(exc).__name__}: {exc}")
-                continue
-            self.launch_path = f"{name} (triton {triton.__version__})"
-            if reasons:
-                self.launch_path += f"; not used: {'; '.join(reasons)}"
-            return fire
-        self.launch_path = f"jit (no fast launcher: {'; '.join(reasons)})"
-        return None
+        """A launch function `fire(grid0, grid1, stream, args)` that bypasses the JIT, or None; see
+        `bind_fast_launcher`. Validated by a no-op launch that must store its token into the validation word."""
+        fire, self.launch_path = bind_fast_launcher(kernel, consts, self.device, self.launcher, self._validate)
+        return fire
 
     def _validate(self, fire) -> None:
         """One no-op launch through `fire`: it must complete and store its token (once per variant).

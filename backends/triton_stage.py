@@ -32,6 +32,7 @@ from multiwrite.backends.triton_kernel import (
     _get_device,
     _get_stream,
     _LentRing,
+    bind_fast_launcher,
     overlap_rounds,
 )
 
@@ -508,10 +509,10 @@ class _FusedLauncher:
         if fire is not None:
             index = writer._index
             if index == _get_device():
-                fire(grid0, _get_stream(index), args)
+                fire(grid0, 1, _get_stream(index), args)
             else:
                 with torch.cuda.device(index):
-                    fire(grid0, _get_stream(index), args)
+                    fire(grid0, 1, _get_stream(index), args)
             return
         if not writer.is_gpu:
             with _INTERPRETER_LOCK:  # the interpreter keeps the program ids in global state
@@ -523,58 +524,11 @@ class _FusedLauncher:
                 self.fire[key] = self._bind_fast(kernel, tuple(consts.values()))
 
     def _bind_fast(self, kernel, consts: tuple) -> Callable | None:
-        """`fire(grid0, stream, args)` bypassing the JIT, or None (then the JIT launches every time)."""
-        reasons = []
-        try:
-            from triton import knobs
-
-            hook = getattr(knobs.runtime, "launch_enter_hook", None)
-            if hook is not None and getattr(hook, "calls", True):
-                raise RuntimeError("Triton launch hooks are installed (profiling): keep the JIT path")
-            run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
-        except Exception as exc:
-            self.launch_path = f"jit (no fast launcher: {type(exc).__name__}: {exc})"
-            return None
-        candidates = []
-        launch = getattr(run, "launch", None)
-        device = self.writer.device
-        if self.writer.launcher == "auto" and device.type == "cuda" and torch.version.hip is None and launch:
-            scratch = (getattr(run, "global_scratch_size", 1), getattr(run, "profile_scratch_size", 1))
-            coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
-            if scratch == (0, 0) and coop is not None and pdl is not None and not getattr(run, "gsan_enabled", False):
-                if hasattr(run, "arg_annotations"):  # Triton 3.9 calling convention (see TritonWriter._bind_fast)
-                    ann, ksig = run.arg_annotations, run.kernel_signature
-
-                    def fire(g0, stream, args):
-                        launch(g0, 1, 1, stream, function, coop, pdl, packed, None, None, None, None, None,
-                               ann, ksig, (*args, *consts))  # fmt: skip
-
-                else:  # Triton 3.6
-
-                    def fire(g0, stream, args):
-                        launch(g0, 1, 1, stream, function, coop, pdl, None, None, packed, None, None, None,
-                               *args, *consts)  # fmt: skip
-
-                candidates.append(("c-launcher", fire))
-            else:
-                reasons.append(f"c-launcher: scratch={scratch} cooperative={coop} pdl={pdl}")
-
-        def fire_run(g0, stream, args):
-            run(g0, 1, 1, stream, function, packed, None, None, None, *args, *consts)
-
-        candidates.append(("compiled-kernel-run", fire_run))
-        for name, fire in candidates:
-            try:
-                self._validate(fire)
-            except Exception as exc:
-                reasons.append(f"{name}: {type(exc).__name__}: {exc}")
-                continue
-            self.launch_path = f"{name} (triton {triton.__version__})"
-            if reasons:
-                self.launch_path += f"; not used: {'; '.join(reasons)}"
-            return fire
-        self.launch_path = f"jit (no fast launcher: {'; '.join(reasons)})"
-        return None
+        """`fire(grid0, 1, stream, args)` bypassing the JIT, or None (then the JIT launches every time); bound
+        exactly as the writer binds its own (`triton_kernel.bind_fast_launcher`)."""
+        writer = self.writer
+        fire, self.launch_path = bind_fast_launcher(kernel, consts, writer.device, writer.launcher, self._validate)
+        return fire
 
     def _validate(self, fire) -> None:
         """One no-op launch (one stage program with nothing to do) on a stream of its own: it must store its
@@ -592,7 +546,7 @@ class _FusedLauncher:
                 0, 0, 0, 0, 1, 0)  # fmt: skip
         with torch.cuda.device(writer._index):
             stream = torch.cuda.Stream(writer.device)
-            fire(1, stream.cuda_stream, args)
+            fire(1, 1, stream.cuda_stream, args)
             stream.synchronize()
         if int(self._done[0]) != token:
             raise RuntimeError(f"validation launch did not complete (done word {int(self._done[0])} != {token})")
