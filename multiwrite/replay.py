@@ -162,24 +162,6 @@ def with_overlaps(
         yield out
 
 
-def run_overlap_replay(
-    trace: Trace,
-    block_sizes: Sequence[int],
-    kernel_block_sizes: Sequence[int] | None,
-    concurrency: int,
-    num_steps: int,
-    device: torch.device,
-    backend: str | None = None,
-    check_every: int = 50,
-    overlap_rate: float = 0.25,
-) -> ReplayResult:
-    """`run_replay` with overlapping writes in every step that admits a request (see `with_overlaps`)."""
-    return run_replay(
-        trace, block_sizes, kernel_block_sizes, concurrency, num_steps, device, backend, check_every,
-        overlap_rate=overlap_rate,
-    )  # fmt: skip
-
-
 def default_kernel_block_sizes(block_sizes: Sequence[int]) -> list[int]:
     """`gcd(bs, 16)` per group: 16 where the block size is a multiple of 16 (a 16-token attention kernel
     block, as G3 of BENCHMARKS.md), else the largest divisor of the block size that divides 16."""

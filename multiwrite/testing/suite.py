@@ -244,11 +244,11 @@ def test_replay_with_overlapping_writes_matches_reference(kit, multiwrite_stagin
     """The trace replay with requests preempted and re-admitted within a step (overlapping writes to one
     row, in the ids and in num_blocks) matches the reference; a backend where the earlier write wins
     fails here."""
-    from multiwrite.replay import run_overlap_replay
+    from multiwrite.replay import run_replay
     from multiwrite.workload import load_trace
 
-    result = run_overlap_replay(
-        load_trace(None), [16, 32, 8], [16, 16, 8], 6, 80, kit.device, kit.backend, check_every=20
+    result = run_replay(
+        load_trace(None), [16, 32, 8], [16, 16, 8], 6, 80, kit.device, kit.backend, check_every=20, overlap_rate=0.25
     )
     assert result.overlapping_writes > 20
     assert result.checks >= 4
