@@ -162,16 +162,31 @@ class _TritonBackend(Backend):
         A batch the fused kernel does not take (not exactly a `BlockTables`' tables, a row written more than
         `triton_stage.MAX_ROUNDS` times in one step) is applied first, then the stage runs in one more launch.
         """
-        from multiwrite.backends.triton_stage import launch_fused, launch_stage
-
-        live = [b for b in batches if b.values.shape[0]]
-        if not live:
-            launch_stage(stage)
-            return
-        if len(live) == 1 and launch_fused(self.writer(live[0].tables[0].device), live[0], stage):
+        stage_module = _stage_module()
+        if len(batches) == 1 and batches[0].values.shape[0]:  # (a BlockTables' batch: the common case)
+            live = batches
+        else:
+            live = [b for b in batches if b.values.shape[0]]
+            if not live:
+                stage_module.launch_stage(stage)
+                return
+        if len(live) == 1 and stage_module.launch_fused(self.writer(live[0].tables[0].device), live[0], stage):
             return
         self.apply(batches)
-        launch_stage(stage)
+        stage_module.launch_stage(stage)
+
+
+def _stage_module():
+    """`multiwrite.backends.triton_stage`, imported on first use (it compiles nothing until then)."""
+    global _STAGE_MODULE
+    if _STAGE_MODULE is None:
+        from multiwrite.backends import triton_stage
+
+        _STAGE_MODULE = triton_stage
+    return _STAGE_MODULE
+
+
+_STAGE_MODULE = None
 
 
 def _cuda_device_reasons(device: torch.device) -> list[str]:

@@ -272,9 +272,9 @@ class GraphStage:
         if w:
             i = self.lender.current
             nxt = ring.succ[i]
-            if not ring._released(nxt):  # the slot the arena rotates into still holds an unconsumed batch
+            if ring.done_mv[nxt] != ring.tokens[nxt]:  # the slot the arena rotates into holds an unconsumed batch
                 self._wait(lambda: ring._released(nxt), h)
-        if self.consumed < h - self.depth + 1:  # (only without writes: the slot check above is stricter)
+        if self._mirror_mv[0] < h - self.depth + 1:  # (only without writes: the slot check above is stricter)
             self._wait(lambda: self.consumed >= h - self.depth + 1, h)
         hv = self._hv
         b = (h % self.depth) * HEADER_WORDS
@@ -286,11 +286,13 @@ class GraphStage:
                 arena.meta[:w] = meta
                 rounds = bounds.shape[0] - 1
                 slot.bounds[: rounds + 1] = bounds
+            token = ring.tokens[i] % 0x7FFFFFFF + 1  # (`ring.next_token(i)`, inlined)
+            ring.tokens[i] = token
             hv[b + H_META] = arena.meta_addr
             hv[b + H_VALUES] = arena.values_addr
             hv[b + H_BOUNDS] = slot.bounds_addr
             hv[b + H_DONE] = ring.done_addr[i]
-            hv[b + H_TOKEN] = ring.next_token(i)
+            hv[b + H_TOKEN] = token
             hv[b + H_COUNTS] = w | rounds << 32
             hv[b + H_NUM_VALUES] = arena.num_values
         else:

@@ -502,8 +502,8 @@ class _FusedLauncher:
         self._scratch: torch.Tensor | None = None
         self._done: torch.Tensor | None = None
 
-    def launch(self, grid0: int, args: tuple, consts: dict) -> None:
-        key = tuple(consts.values())
+    def launch(self, grid0: int, args: tuple, consts: dict, key: tuple) -> None:
+        """Launch `grid0` programs with `args` and the variant `consts` (`key`: a hashable name of them)."""
         fire = self.fire.get(key)
         writer = self.writer
         if fire is not None:
@@ -572,6 +572,74 @@ def fused_launch_path(writer: TritonWriter) -> str:
     return "" if launcher is None else launcher.launch_path
 
 
+class _FusedPlan:
+    """What the fused launch of one `BlockTables` reuses on every call (its tables never move): the writer's
+    descriptors of the batch's tables, the stage descriptors, the fixed kernel arguments, the compiled
+    variants' constants. Kept in `StageInputs.plans` under the writer; holds no reference to the `BlockTables`."""
+
+    __slots__ = ("batch_tables", "desc", "sdesc", "slots", "fixed", "tail", "consts")
+
+    def __init__(self, batch_tables: list[torch.Tensor], desc, stage: StageInputs):
+        self.batch_tables = batch_tables  # the writer hands this same list over while the layout holds
+        self.desc = desc
+        self.sdesc = _descriptor_table(stage)  # kept alive here: the module cache may evict it
+        slots = stage.slot_mappings
+        if slots is None:  # a gather of tables built without max_num_batched_tokens: any int64 buffer will do
+            slots = stage.num_blocks.new_empty((1, 1), dtype=torch.int64)
+        self.slots = slots
+        nb = stage.num_blocks
+        # (G, num_blocks address and row stride) and (slot row stride), (max tokens, max_num_reqs, cp_rank)
+        self.fixed = (len(stage.tables), nb.data_ptr(), nb.stride(0))
+        self.tail = (slots.shape[1],)
+        self.consts: dict[tuple, tuple[dict, tuple]] = {}
+
+
+def _plan(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) -> _FusedPlan | None:
+    """The fused plan of `stage`'s tables for `batch`, from the cache when the batch is the one the writer hands
+    over for these tables; None when the batch cannot go through the fused kernel (see `launch_fused`)."""
+    plan = stage.plans.get(writer)
+    config = stage._config
+    pristine = (
+        stage.tables is config.tables
+        and stage.input_block_tables is config.input_block_tables
+        and stage.slot_mappings is config.slot_mappings
+        and stage.num_blocks is config.num_blocks
+    )
+    if plan is not None and pristine and batch.tables is plan.batch_tables:
+        return plan
+    if not _batch_is_the_stage(batch, stage):
+        return None
+    tables = batch.tables
+    key = (*map(_PTR, tables), *map(_SIZE, tables), *map(_STRIDE, tables))
+    found = writer._descs.get(key)
+    desc = writer._new_descriptors(key, tables) if found is None else found
+    if desc.aliased:
+        return None
+    plan = _FusedPlan(tables, desc, stage)
+    if pristine:
+        stage.plans[writer] = plan
+    return plan
+
+
+def _constants(plan: _FusedPlan, stage: StageInputs) -> tuple[dict, tuple]:
+    """The compile-time constants of this call's kernel variant, and the variant's key."""
+    idx, qsl, pos = stage.idx_mapping, stage.query_start_loc, stage.positions
+    qsl_dtype = torch.int64 if qsl is None else qsl.dtype
+    pos_dtype = torch.int64 if pos is None else pos.dtype
+    key = (idx.dtype, qsl_dtype, pos_dtype, stage.is_padding is not None, stage.do_gather, stage.do_slots,
+           stage.cp_size, stage.cp_interleave)  # fmt: skip
+    found = plan.consts.get(key)
+    if found is None:
+        consts = {
+            "IDX_DTYPE": TL_INDEX[idx.dtype], "QSL_DTYPE": TL_INDEX[qsl_dtype], "POS_DTYPE": TL_INDEX[pos_dtype],
+            "CP_SIZE": stage.cp_size, "CP_INTERLEAVE": stage.cp_interleave, "HAS_PADDING": key[3],
+            "DO_GATHER": stage.do_gather, "DO_SLOTS": stage.do_slots, "BLOCK": BLOCK, "BLOCK_W": APPLY_W,
+            "BLOCK_L": APPLY_L, "SCAN": SCAN_W, "MAX_R": MAX_ROUNDS,
+        }  # fmt: skip
+        found = plan.consts[key] = (consts, tuple(consts.values()))
+    return found
+
+
 def launch_fused(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) -> bool:
     """Apply `batch` and run the jobs `stage` asks for in ONE launch on the current stream; no host sync.
 
@@ -581,23 +649,18 @@ def launch_fused(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) ->
     event). Leaves the tables, `num_blocks`, `input_block_tables` and `slot_mappings` exactly as
     `writer.apply([batch])` followed by `launch_stage(stage)`.
 
+    What is fixed for a `BlockTables` (descriptors, fixed arguments, constants) is computed on its first
+    call and kept in `stage.plans` (`_FusedPlan`): a decode step's launch then reads only the step's inputs.
+
     Returns:
         False, having done nothing, when this batch cannot go through the fused kernel (it does not write
         exactly the stage's tables, its tables alias, or a row is written in more than `MAX_ROUNDS` rounds):
         the caller then applies and launches the stage separately.
     """
-    if not (stage.do_gather or stage.do_slots) or not _batch_is_the_stage(batch, stage):
+    if not (stage.do_gather or stage.do_slots):
         return False
-    tables = batch.tables
-    key = (*map(_PTR, tables), *map(_SIZE, tables), *map(_STRIDE, tables))
-    last = writer._last
-    if key == last[0]:
-        desc = last[1]
-    else:
-        found = writer._descs.get(key)
-        desc = writer._new_descriptors(key, tables) if found is None else found
-        writer._last = (key, desc)
-    if desc.aliased:
+    plan = _plan(writer, batch, stage)
+    if plan is None:
         return False
     meta, values = batch.meta, batch.values
     w, v = meta.shape[0], values.shape[0]
@@ -610,36 +673,26 @@ def launch_fused(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) ->
         rounds = bounds.shape[0] - 1
         if rounds > MAX_ROUNDS:
             return False
-    sdesc = _descriptor_table(stage)
-    slots = stage.slot_mappings
-    if slots is None:  # a gather of tables built without max_num_batched_tokens: any int64 buffer will do
-        slots = stage.num_blocks.new_empty((1, 1), dtype=torch.int64)
     if rounds > 1:
         tiles = splits = 1
     else:
-        tiles = max(1, (w + APPLY_W - 1) // APPLY_W)
+        tiles = (w + APPLY_W - 1) // APPLY_W or 1
         splits = 1 if v <= 256 else max(1, min((v + APPLY_L - 1) // APPLY_L, 64, writer._max_programs // tiles))
-    G = len(stage.tables)
-    grid0 = tiles * splits + G * (stage.num_reqs_padded + 1)
-    idx, qsl, pos, pad = stage.idx_mapping, stage.query_start_loc, stage.positions, stage.is_padding
-    qsl = slots if qsl is None else qsl
-    pos = slots if pos is None else pos
-    consts = {
-        "IDX_DTYPE": TL_INDEX[idx.dtype], "QSL_DTYPE": TL_INDEX[qsl.dtype], "POS_DTYPE": TL_INDEX[pos.dtype],
-        "CP_SIZE": stage.cp_size, "CP_INTERLEAVE": stage.cp_interleave, "HAS_PADDING": pad is not None,
-        "DO_GATHER": stage.do_gather, "DO_SLOTS": stage.do_slots, "BLOCK": BLOCK, "BLOCK_W": APPLY_W,
-        "BLOCK_L": APPLY_L, "SCAN": SCAN_W, "MAX_R": MAX_ROUNDS,
-    }  # fmt: skip
-    nb = stage.num_blocks
+    num_reqs_padded = stage.num_reqs_padded
+    grid0 = tiles * splits + plan.fixed[0] * (num_reqs_padded + 1)
+    consts, variant = _constants(plan, stage)
+    slots = plan.slots
     # An empty tensor's address is 0, which the interpreter would take for an int32: point at the slots instead
     # (the kernel never reads an empty input).
     fallback = slots.data_ptr()
+    qsl, pos, pad = stage.query_start_loc, stage.positions, stage.is_padding
     step = (
-        G, nb.data_ptr(), nb.stride(0), idx.data_ptr() or fallback, qsl.data_ptr() or fallback,
-        pos.data_ptr() or fallback, fallback if pad is None else pad.data_ptr() or fallback, fallback, slots.stride(0),
-        stage.num_reqs,
-        stage.num_reqs_padded, slots.shape[1], 0 if stage.positions is None else stage.positions.shape[0],
-        nb.shape[1], stage.cp_rank,
+        *plan.fixed, stage.idx_mapping.data_ptr() or fallback,
+        fallback if qsl is None else qsl.data_ptr() or fallback,
+        fallback if pos is None else pos.data_ptr() or fallback,
+        fallback if pad is None else pad.data_ptr() or fallback, fallback, slots.stride(0),
+        stage.num_reqs, num_reqs_padded, *plan.tail, 0 if pos is None else pos.shape[0],
+        stage.num_blocks.shape[1], stage.cp_rank,
     )  # fmt: skip
     launcher = _launcher(writer)
     lock = None
@@ -661,13 +714,14 @@ def launch_fused(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) ->
             lock.release()
             raise
     token = ring.next_token(i)
+    desc = plan.desc
     slot.desc = desc  # alive until this launch is seen finished (the slot's next take)
     args = (
-        desc.addr, sdesc.data_ptr(), slot.meta_addr, slot.values_addr, slot.bounds_addr, ring.counter_addr[i],
+        desc.addr, plan.sdesc.data_ptr(), slot.meta_addr, slot.values_addr, slot.bounds_addr, ring.counter_addr[i],
         ring.done_addr[i], token, w, v, rounds, tiles, tiles * splits, *step,
     )  # fmt: skip
     try:
-        launcher.launch(grid0, args, consts)
+        launcher.launch(grid0, args, consts, variant)
         ring.launched(i)
     except BaseException:
         ring.done_mv[i] = token  # nothing was launched: the slot is free

@@ -33,7 +33,6 @@ against.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +43,6 @@ from multiwrite.errors import StagedWriteError, StageInputError  # re-exported: 
 from multiwrite.reference import PAD_SLOT_ID
 
 if TYPE_CHECKING:
-    from multiwrite.backend import Backend, WriteBatch
     from multiwrite.block_tables import BlockTables
 
 __all__ = [
@@ -76,6 +74,9 @@ class StageInputs:
         is_padding: bool `[>= num_tokens_padded]` or None.
         num_reqs, num_reqs_padded, num_tokens_padded: ints.
         do_gather, do_slots: which of the two jobs this call asks for.
+        plans: a dict that lives as long as the `BlockTables`, shared by every call on it: a backend may
+            keep there what is fixed for these tables (descriptors, bound launchers), under a key of its own.
+            It must hold nothing that would keep the `BlockTables` itself alive.
     """
 
     __slots__ = (
@@ -98,6 +99,8 @@ class StageInputs:
         "num_tokens_padded",
         "do_gather",
         "do_slots",
+        "plans",
+        "_config",
         "_columns",
         "_tokens",
     )
@@ -121,25 +124,52 @@ class StageInputs:
     num_tokens_padded: int
     do_gather: bool
     do_slots: bool
+    plans: dict
+    _config: _StageConfig
     _columns: torch.Tensor
     _tokens: torch.Tensor | None
 
     def gathered(self) -> tuple[torch.Tensor, ...]:
         """`input_block_tables[g][:num_reqs_padded]` for every group (views, fixed addresses)."""
-        return tuple(t[: self.num_reqs_padded] for t in self.input_block_tables)
+        n = self.num_reqs_padded
+        config = self._config
+        if self.input_block_tables is config.input_block_tables:
+            views = config.gathered_views.get(n)
+            if views is None:
+                views = config.gathered_views[n] = tuple(t[:n] for t in self.input_block_tables)
+            return views
+        return tuple(t[:n] for t in self.input_block_tables)
 
     def slots(self) -> torch.Tensor:
         """`slot_mappings[:, :num_tokens_padded]` (a view, fixed address)."""
-        assert self.slot_mappings is not None
-        return self.slot_mappings[:, : self.num_tokens_padded]
+        out = self.slot_mappings
+        assert out is not None
+        n = self.num_tokens_padded
+        config = self._config
+        if out is config.slot_mappings:
+            view = config.slot_views.get(n)
+            if view is None:
+                if len(config.slot_views) >= _VIEW_CACHE:
+                    config.slot_views.clear()
+                view = config.slot_views[n] = out[:, :n]
+            return view
+        return out[:, :n]
+
+
+#: Most `slot_mappings` views `StageInputs.slots` keeps (one per distinct `num_tokens_padded`).
+_VIEW_CACHE = 1024
 
 
 class _StageConfig:
-    """What `BlockTables` keeps for the stage: its constructor arguments and persistent buffers."""
+    """What `BlockTables` keeps for the stage: its constructor arguments, persistent buffers, and what every
+    call reuses: the tables as a list, the views it returns (they are views of fixed buffers, so one per size
+    serves every call) and the backends' `plans`."""
 
     __slots__ = (
         "max_num_batched_tokens", "cp_size", "cp_rank", "cp_interleave", "columns", "tokens",
-        "input_block_tables", "slot_mappings",
+        "input_block_tables", "slot_mappings", "device", "tables", "num_blocks", "block_sizes",
+        "kernel_block_sizes", "kernel_blocks_per_block", "max_num_reqs", "gathered_views", "slot_views", "plans",
+        "gpu",
     )  # fmt: skip
 
     max_num_batched_tokens: int | None
@@ -150,6 +180,17 @@ class _StageConfig:
     tokens: torch.Tensor | None
     input_block_tables: list[torch.Tensor]
     slot_mappings: torch.Tensor | None
+    device: torch.device
+    gpu: bool
+    tables: list[torch.Tensor]
+    num_blocks: torch.Tensor
+    block_sizes: list[int]
+    kernel_block_sizes: list[int]
+    kernel_blocks_per_block: list[int]
+    max_num_reqs: int
+    gathered_views: dict[int, tuple[torch.Tensor, ...]]
+    slot_views: dict[int, torch.Tensor]
+    plans: dict
 
 
 def _int_arg(what: str, value: Any, low: int) -> int:
@@ -204,6 +245,17 @@ def init_stage(
         n = config.max_num_batched_tokens
         config.slot_mappings = torch.full((len(widths), n), PAD_SLOT_ID, dtype=torch.int64, device=device)
         config.tokens = torch.arange(n, device=device)
+    config.device = device
+    config.gpu = device.type != "cpu"
+    config.tables = [t.tensor for t in bt.block_tables]  # fixed: a BlockTables' tables are never replaced
+    config.num_blocks = bt.num_blocks_device
+    config.block_sizes = bt.block_sizes
+    config.kernel_block_sizes = bt.kernel_block_sizes
+    config.kernel_blocks_per_block = bt.kernel_blocks_per_block
+    config.max_num_reqs = R
+    config.gathered_views = {}  # at most max_num_reqs + 1 entries
+    config.slot_views = {}
+    config.plans = {}
     return config
 
 
@@ -211,6 +263,8 @@ def init_stage(
 # input checks
 # -------------------------------------------------------------------------------------------------
 def _count(what: str, value: Any, high: int, high_name: str) -> int:
+    if value.__class__ is int and 0 <= value <= high:
+        return value
     if isinstance(value, bool) or isinstance(value, torch.Tensor):
         raise StageInputError(f"{what} must be a Python int, got {value!r}")
     try:
@@ -224,6 +278,8 @@ def _count(what: str, value: Any, high: int, high_name: str) -> int:
 
 def _vector(what: str, t: Any, dtypes: tuple[torch.dtype, ...], device: torch.device) -> torch.Tensor:
     """`t` checked to be a 1-D tensor of `dtypes` on `device` or on the host, moved to `device`."""
+    if t.__class__ is torch.Tensor and t.dtype in dtypes and t.device == device and t.dim() == 1:
+        return t  # the common case, in as few tensor attribute reads as possible
     if not isinstance(t, torch.Tensor):
         raise StageInputError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1:
@@ -240,12 +296,66 @@ def _vector(what: str, t: Any, dtypes: tuple[torch.dtype, ...], device: torch.de
     return t.to(device, non_blocking=t.is_pinned())
 
 
-def _host(t: torch.Tensor) -> np.ndarray | None:
-    return t.numpy() if t.device.type == "cpu" else None
+def _host(original: Any, checked: torch.Tensor, gpu: bool) -> np.ndarray | None:
+    """The values of an input the caller passed on the host (checked there), or None for a device input
+    (never read: that would synchronize). `checked` is what `_vector` made of `original`."""
+    if gpu and checked is original:
+        return None
+    return original.numpy()
 
 
 def _refuse_capture(bt: BlockTables, what: str) -> None:
     refuse_capture(bt.device, f"BlockTables.{what}")  # GraphCaptureError before anything is applied or written
+
+
+def _build_common(
+    config: _StageConfig,
+    idx: Any,
+    num_reqs_padded: Any,
+    qsl: Any,
+    pos: Any,
+    num_tokens_padded: Any,
+    pad: Any,
+) -> StageInputs | None:
+    """`_build` of a `prepare_inputs` call as an engine makes it on a GPU (device inputs of accepted dtypes,
+    counts in range), in as few tensor attribute reads as possible; None for anything else, which `_build`
+    then checks in full (and names what is wrong)."""
+    device = config.device
+    T = torch.Tensor
+    if not (
+        config.gpu
+        and idx.__class__ is T and idx.dtype in _INDEX_DTYPES and idx.device == device and idx.dim() == 1
+        and qsl.__class__ is T and qsl.dtype in _INDEX_DTYPES and qsl.device == device and qsl.dim() == 1
+        and pos.__class__ is T and pos.dtype in _INDEX_DTYPES and pos.device == device and pos.dim() == 1
+        and num_reqs_padded.__class__ is int and num_tokens_padded.__class__ is int
+        and config.max_num_batched_tokens is not None
+    ):  # fmt: skip
+        return None
+    n = idx.shape[0]
+    if not (n <= num_reqs_padded <= config.max_num_reqs and qsl.shape[0] > n):
+        return None
+    if not 0 <= num_tokens_padded <= config.max_num_batched_tokens:
+        return None
+    if pad is not None and not (
+        pad.__class__ is T and pad.dtype is torch.bool and pad.device == device and pad.dim() == 1
+        and pad.shape[0] >= num_tokens_padded
+    ):  # fmt: skip
+        return None
+    s = StageInputs()
+    s.tables = config.tables
+    s.num_blocks = config.num_blocks
+    s.input_block_tables = config.input_block_tables
+    s.slot_mappings = config.slot_mappings
+    s.block_sizes = config.block_sizes
+    s.kernel_block_sizes = config.kernel_block_sizes
+    s.kernel_blocks_per_block = config.kernel_blocks_per_block
+    s.cp_size, s.cp_rank, s.cp_interleave = config.cp_size, config.cp_rank, config.cp_interleave
+    s.plans, s._config = config.plans, config
+    s._columns, s._tokens = config.columns, config.tokens
+    s.do_gather = s.do_slots = True
+    s.idx_mapping, s.query_start_loc, s.positions, s.is_padding = idx, qsl, pos, pad
+    s.num_reqs, s.num_reqs_padded, s.num_tokens_padded = n, num_reqs_padded, num_tokens_padded
+    return s
 
 
 def _build(
@@ -264,28 +374,29 @@ def _build(
     out-of-range values there are the caller's responsibility, as in vLLM.
     """
     config: _StageConfig = bt._stage_config
-    device = bt.num_blocks_device.device
-    R = bt.max_num_reqs
+    device = config.device
+    R = config.max_num_reqs
     s = StageInputs()
-    s.tables = [t.tensor for t in bt.block_tables]
-    s.num_blocks = bt.num_blocks_device
-    s.input_block_tables = bt.input_block_tables
-    s.slot_mappings = bt.slot_mappings
-    s.block_sizes = bt.block_sizes
-    s.kernel_block_sizes = bt.kernel_block_sizes
-    s.kernel_blocks_per_block = bt.kernel_blocks_per_block
+    s.tables = config.tables
+    s.num_blocks = config.num_blocks
+    s.input_block_tables = config.input_block_tables
+    s.slot_mappings = config.slot_mappings
+    s.block_sizes = config.block_sizes
+    s.kernel_block_sizes = config.kernel_block_sizes
+    s.kernel_blocks_per_block = config.kernel_blocks_per_block
     s.cp_size, s.cp_rank, s.cp_interleave = config.cp_size, config.cp_rank, config.cp_interleave
+    s.plans, s._config = config.plans, config
     s._columns, s._tokens = config.columns, config.tokens
     s.do_gather = num_reqs_padded is not None
     s.do_slots = num_tokens_padded is not None
 
-    idx_host_source = idx_mapping
+    gpu = device.type != "cpu"
     s.idx_mapping = _vector(f"{what}: idx_mapping", idx_mapping, _INDEX_DTYPES, device)
     n = s.num_reqs = s.idx_mapping.shape[0]
     if n > R:
         raise StageInputError(f"{what}: idx_mapping has {n} batch entries, more than max_num_reqs={R}")
-    idx = _host(idx_host_source)
-    if idx is not None and n:
+    idx = _host(idx_mapping, s.idx_mapping, gpu)
+    if idx is not None and n:  # a host input: its values are checked
         bad = np.flatnonzero((idx < 0) | (idx >= R))
         if bad.size:
             b = int(bad[0])
@@ -323,7 +434,7 @@ def _build(
             raise StageInputError(
                 f"{what}: is_padding has {s.is_padding.shape[0]} entries, needs num_tokens_padded = {T}"
             )
-    qsl, pos = _host(query_start_loc), _host(positions)
+    qsl, pos = _host(query_start_loc, s.query_start_loc, gpu), _host(positions, s.positions, gpu)
     if qsl is not None:
         qsl = qsl[: n + 1].astype(np.int64)
         if qsl[0] != 0:
@@ -342,7 +453,7 @@ def _build(
             raise StageInputError(
                 f"{what}: positions has {s.positions.shape[0]} entries for {int(qsl[n])} scheduled tokens"
             )
-        pad = _host(is_padding) if is_padding is not None else None
+        pad = _host(is_padding, s.is_padding, gpu) if s.is_padding is not None else None
         if pos is not None and idx is not None:
             _check_positions(s, what, idx, qsl, pos[: int(qsl[n])], pad)
     return s
@@ -480,26 +591,6 @@ def compute_slot_mappings(
     return stage.slots()
 
 
-class _StageRoute:
-    """Stands in for the backend during one `prepare_inputs`: the writer's one backend call becomes
-    `backend.prepare_inputs(batches, stage)`; everything else goes to the backend itself."""
-
-    def __init__(self, backend: Backend, stage: StageInputs):
-        self._backend = backend
-        self._stage = stage
-        self.called = False
-
-    def apply(self, batches: Sequence[WriteBatch]) -> None:
-        if self.called:  # a writer makes one backend call per apply; anything more is applied as it is
-            self._backend.apply(batches)
-            return
-        self.called = True
-        self._backend.prepare_inputs(batches, self._stage)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
-
-
 def prepare_inputs(
     bt: BlockTables,
     idx_mapping: torch.Tensor,
@@ -511,17 +602,18 @@ def prepare_inputs(
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """`BlockTables.prepare_inputs` (documented there)."""
     _refuse_capture(bt, "prepare_inputs")
-    stage = _build(
+    stage = _build_common(
+        bt._stage_config, idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded, is_padding
+    ) or _build(
         bt, "prepare_inputs", idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded, is_padding
     )
     writer = bt._writer
-    backend = writer.backend
-    route = _StageRoute(backend, stage)
-    writer.backend = route  # type: ignore[assignment]
+    writer._stage = stage  # the writer's one backend call becomes `backend.prepare_inputs(batches, stage)`
     try:
         bt.apply_staged_writes()
     finally:
-        writer.backend = backend
-    if not route.called:  # nothing was staged: the writer made no backend call
-        backend.prepare_inputs([], stage)
+        taken = writer._stage is None
+        writer._stage = None
+    if not taken:  # nothing was staged (or graph mode, which applies without the writer): no backend call yet
+        writer.backend.prepare_inputs([], stage)
     return stage.gathered(), stage.slots()

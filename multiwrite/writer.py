@@ -57,6 +57,9 @@ class FusedStagedWriter:
         # The repeat fast path, set after an apply of every table of one arena: (tensors, arena, its
         # layout_version, the 2-D tables, the user tensors, their version counter, their layouts).
         self._fast: tuple | None = None
+        # Set by `BlockTables.prepare_inputs` for one apply: the backend call of that apply is then
+        # `backend.prepare_inputs(batches, stage)` (and clears this), not `backend.apply(batches)`.
+        self._stage = None
 
     @classmethod
     def default_for(cls, device: torch.device | str) -> FusedStagedWriter:
@@ -90,7 +93,8 @@ class FusedStagedWriter:
             BackendError: the backend raised (its exception is the cause); every write of this call
                 stays staged, and applying again lands them (see `Backend.apply`).
         """
-        refuse_capture(self.device, "FusedStagedWriter.apply")
+        if self._stage is None:  # (`BlockTables.prepare_inputs` has just checked, naming itself)
+            refuse_capture(self.device, "FusedStagedWriter.apply")
         if type(tensors) is not list:
             tensors = list(tensors)
         fast = self._fast
@@ -192,8 +196,13 @@ class FusedStagedWriter:
 
     def _call_backend(self, batches: list[WriteBatch], tensors: list[StagedWriteTensor]) -> None:
         """`backend.apply(batches)`, any exception wrapped in a `BackendError` naming backend and tables."""
+        stage = self._stage
         try:
-            self.backend.apply(batches)
+            if stage is None:
+                self.backend.apply(batches)
+            else:
+                self._stage = None  # exactly one backend call takes the stage
+                self.backend.prepare_inputs(batches, stage)
         except Exception as exc:
             names = tuple(dict.fromkeys(t.name for t in tensors))
             writes = sum(b.num_writes for b in batches)
