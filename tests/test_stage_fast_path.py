@@ -164,7 +164,9 @@ except ImportError:  # pragma: no cover - Triton missing
     pass
 
 
-@pytest.mark.skipif(triton_stage is None, reason="needs Triton")
+@pytest.mark.skipif(
+    triton_stage is None or not triton_stage.INTERPRETED, reason="triton-cuda on CPU tables: interpreter only"
+)
 def test_fused_plan_is_reused_only_for_the_pristine_stage_and_the_same_batch():
     bt = tables("triton-cuda")
     writer = bt.backend.writer(bt.device)
