@@ -577,21 +577,26 @@ class _FusedPlan:
     descriptors of the batch's tables, the stage descriptors, the fixed kernel arguments, the compiled
     variants' constants. Kept in `StageInputs.plans` under the writer; holds no reference to the `BlockTables`."""
 
-    __slots__ = ("batch_tables", "desc", "sdesc", "slots", "fixed", "tail", "consts")
+    __slots__ = ("batch_tables", "desc", "sdesc", "sdesc_addr", "slots", "fixed", "slot_args", "rows_args",
+                 "consts", "launcher")  # fmt: skip
 
-    def __init__(self, batch_tables: list[torch.Tensor], desc, stage: StageInputs):
+    def __init__(self, writer: TritonWriter, batch_tables: list[torch.Tensor], desc, stage: StageInputs):
         self.batch_tables = batch_tables  # the writer hands this same list over while the layout holds
         self.desc = desc
         self.sdesc = _descriptor_table(stage)  # kept alive here: the module cache may evict it
+        self.sdesc_addr = self.sdesc.data_ptr()
         slots = stage.slot_mappings
         if slots is None:  # a gather of tables built without max_num_batched_tokens: any int64 buffer will do
             slots = stage.num_blocks.new_empty((1, 1), dtype=torch.int64)
         self.slots = slots
         nb = stage.num_blocks
-        # (G, num_blocks address and row stride) and (slot row stride), (max tokens, max_num_reqs, cp_rank)
+        # Fixed kernel arguments, in the kernel's order: (num_groups, nb_addr, nb_stride), then after the step's
+        # inputs (slot_addr, slot_stride), and after num_reqs and num_reqs_padded, max_tokens.
         self.fixed = (len(stage.tables), nb.data_ptr(), nb.stride(0))
-        self.tail = (slots.shape[1],)
+        self.slot_args = (slots.data_ptr(), slots.stride(0))
+        self.rows_args = (nb.shape[1], stage.cp_rank)  # (max_num_reqs, cp_rank): after num_positions
         self.consts: dict[tuple, tuple[dict, tuple]] = {}
+        self.launcher = _launcher(writer)
 
 
 def _plan(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) -> _FusedPlan | None:
@@ -615,7 +620,7 @@ def _plan(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) -> _Fused
     desc = writer._new_descriptors(key, tables) if found is None else found
     if desc.aliased:
         return None
-    plan = _FusedPlan(tables, desc, stage)
+    plan = _FusedPlan(writer, tables, desc, stage)
     if pristine:
         stage.plans[writer] = plan
     return plan
@@ -681,20 +686,18 @@ def launch_fused(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) ->
     num_reqs_padded = stage.num_reqs_padded
     grid0 = tiles * splits + plan.fixed[0] * (num_reqs_padded + 1)
     consts, variant = _constants(plan, stage)
-    slots = plan.slots
     # An empty tensor's address is 0, which the interpreter would take for an int32: point at the slots instead
     # (the kernel never reads an empty input).
-    fallback = slots.data_ptr()
+    fallback = plan.slot_args[0]
     qsl, pos, pad = stage.query_start_loc, stage.positions, stage.is_padding
     step = (
         *plan.fixed, stage.idx_mapping.data_ptr() or fallback,
         fallback if qsl is None else qsl.data_ptr() or fallback,
         fallback if pos is None else pos.data_ptr() or fallback,
-        fallback if pad is None else pad.data_ptr() or fallback, fallback, slots.stride(0),
-        stage.num_reqs, num_reqs_padded, *plan.tail, 0 if pos is None else pos.shape[0],
-        stage.num_blocks.shape[1], stage.cp_rank,
+        fallback if pad is None else pad.data_ptr() or fallback, *plan.slot_args,
+        stage.num_reqs, num_reqs_padded, plan.slots.shape[1], 0 if pos is None else pos.shape[0], *plan.rows_args,
     )  # fmt: skip
-    launcher = _launcher(writer)
+    launcher = plan.launcher
     lock = None
     if in_place:
         ring, i = lent.ring, lent.current  # type: ignore[union-attr]  # staged in place: no copy
@@ -717,7 +720,7 @@ def launch_fused(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) ->
     desc = plan.desc
     slot.desc = desc  # alive until this launch is seen finished (the slot's next take)
     args = (
-        desc.addr, plan.sdesc.data_ptr(), slot.meta_addr, slot.values_addr, slot.bounds_addr, ring.counter_addr[i],
+        desc.addr, plan.sdesc_addr, slot.meta_addr, slot.values_addr, slot.bounds_addr, ring.counter_addr[i],
         ring.done_addr[i], token, w, v, rounds, tiles, tiles * splits, *step,
     )  # fmt: skip
     try:
