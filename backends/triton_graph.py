@@ -34,6 +34,7 @@ values over unified virtual addressing, and finds each write's table through a d
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -50,8 +51,10 @@ from multiwrite.backends.triton_kernel import (
     _LentRing,
     overlap_rounds,
 )
+from multiwrite.backends.triton_stage import _descriptor_table, launch_stage
 
 from multiwrite.errors import BackendUnavailableError
+from multiwrite.stage import StageInputs
 from multiwrite.staging import StagingArena
 
 #: int64 words of one header entry: (sequence, meta address, values address, bounds address, completion
@@ -179,8 +182,45 @@ def compilable_consume_kernel() -> triton.runtime.JITFunction:
     return triton.runtime.JITFunction(_consume_kernel_fn, do_not_specialize=DO_NOT_SPECIALIZE)
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+class CapturedStage:
+    """What one capture of a graph-mode stage call recorded; kept alive by its `GraphStage` (so by the
+    `BlockTables`, which must outlive its graphs).
+
+    `launch()` is exactly what the capture recorded and what every replay runs: with `consume` (a captured
+    `prepare_inputs`), the consume kernel for the next committed batch (`GraphStage.launch(-1)`), then ONE
+    launch of the stage kernel (`triton_stage.launch_stage`: gather and/or slot mappings) with the
+    `GraphStage`'s own stage descriptors and scratch buffer. Every argument of both launches is fixed:
+    addresses of the tables, the persistent outputs, and the step's input tensors given at capture (their
+    VALUES are read when the launch runs: the engine's persistent input buffers), plus `num_reqs`,
+    `num_reqs_padded`, `num_tokens_padded` and the input lengths, fixed at capture.
+
+    Attributes:
+        graph: the `GraphStage`.
+        stage: the `StageInputs` of the capture (holds the input tensors, so their memory stays valid).
+        consume: whether the launch first consumes the next committed batch.
+    """
+
+    __slots__ = ("graph", "stage", "consume")
+
+    def __init__(self, graph: GraphStage, stage: StageInputs, consume: bool):
+        self.graph = graph
+        self.stage = stage
+        self.consume = consume
+
+    def launch(self) -> None:
+        """The recorded launches, on the current stream (what a replay runs)."""
+        graph = self.graph
+        if self.consume:
+            graph.launch(-1)
+        with graph.device_guard():
+            launch_stage(self.stage, desc=graph.stage_desc, scratch=graph.stage_scratch)
 
 
 class GraphStage:
@@ -245,6 +285,11 @@ class GraphStage:
             self.mirror_t.data_ptr(),
         )
         self._consts = {"DEPTH": depth, "NT": max(2, _pow2(self.num_tables)), "BLOCK_W": BLOCK_W, "BLOCK_L": BLOCK_L}
+        # The stage (gather, slot mappings) of captured stage calls: descriptors and scratch of its own, built
+        # once outside any capture (`bind_stage`), and every capture's inputs, alive as long as this object.
+        self.stage_desc: torch.Tensor | None = None
+        self.stage_scratch: torch.Tensor | None = None
+        self.captured: list[CapturedStage] = []
         if writer.is_gpu:
             self.launch(0)  # compile and load now: never inside a capture
             torch.cuda.synchronize(device)
@@ -346,6 +391,36 @@ class GraphStage:
             "each commit; if replays are queued, the stream they run on is held up by earlier work."
         )
 
+    # -- the captured stage ------------------------------------------------------------------------
+    def bind_stage(self, layout: StageInputs) -> None:
+        """Build the stage descriptors of the tables and their gather outputs (fixed for good), once, at
+        construction of the `BlockTables` (outside any capture: building them copies to the device).
+
+        `layout`: a `StageInputs` with the layout fields set (tables, num_blocks, input_block_tables,
+        block and kernel block sizes). `triton_stage`'s descriptor cache may evict its own reference; this
+        object keeps one, since captured launches read the descriptors by address at every replay.
+        """
+        self.stage_desc = _descriptor_table(layout)
+        self.stage_scratch = torch.zeros((1, 1), dtype=torch.int64, device=self.writer.device)
+        if self.writer.is_gpu:
+            torch.cuda.synchronize(self.writer.device)
+
+    def record_stage(self, stage: StageInputs, consume: bool) -> CapturedStage:
+        """Launch (under a capture: record) `stage`'s gather/slot mappings, after the consume kernel if
+        `consume`, and keep what the launches read by address alive; see `CapturedStage`."""
+        if self.stage_desc is None:
+            raise BackendUnavailableError("GraphStage.record_stage before bind_stage: no stage descriptors")
+        captured = CapturedStage(self, stage, consume)
+        captured.launch()
+        self.captured.append(captured)
+        return captured
+
+    def device_guard(self):
+        """A context that makes the tables' GPU current (a no-op context off a GPU)."""
+        if self.writer.is_gpu:
+            return torch.cuda.device(self.writer._index)
+        return _NO_GUARD
+
     # -- launches ---------------------------------------------------------------------------------
     def launch(self, limit: int) -> None:
         """Launch the consume kernel on the current stream: `limit = -1` (what a capture records) consumes
@@ -377,4 +452,4 @@ def new_graph_stage(writer: TritonWriter, tables: list[torch.Tensor], arena: Sta
     return GraphStage(writer, tables, lender)
 
 
-__all__ = ["GraphStage", "HEADER_WORDS", "compilable_consume_kernel", "new_graph_stage"]
+__all__ = ["CapturedStage", "GraphStage", "HEADER_WORDS", "compilable_consume_kernel", "new_graph_stage"]

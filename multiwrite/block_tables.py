@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from multiwrite import stage as _stage
+from multiwrite import stage_graph as _stage_graph
 from multiwrite.backend import Backend
 from multiwrite.capture import is_capturing, refuse_capture
 from multiwrite.errors import BackendUnavailableError, StagedWriteError
@@ -214,6 +215,9 @@ class BlockTables:
             # Graph mode replaces the two methods on this object only: the eager path pays nothing for it.
             self.apply_staged_writes = self._apply_graph_mode  # type: ignore[method-assign]
             self.clear_staged_writes = self._clear_graph_mode  # type: ignore[method-assign]
+            self.prepare_inputs = self._prepare_inputs_graph_mode  # type: ignore[method-assign]
+            self.gather_block_tables = self._gather_graph_mode  # type: ignore[method-assign]
+            self.compute_slot_mappings = self._slot_mappings_graph_mode  # type: ignore[method-assign]
         # What clear_staged_writes restores, with no read of num_blocks_device (a stream may still be
         # writing it): column `req` holds the request's counts as of the last successful apply, saved when
         # the batch first changes them (the row's num_blocks stamp is then this batch's epoch). Nothing to
@@ -251,6 +255,8 @@ class BlockTables:
         self.cp_size: int = config.cp_size
         self.cp_rank: int = config.cp_rank
         self.cp_interleave: int = config.cp_interleave
+        if self._graph is not None:
+            _stage_graph.bind(self)  # the stage descriptors of captured stage calls, built now (never in a capture)
 
     @property
     def num_groups(self) -> int:
@@ -561,6 +567,47 @@ class BlockTables:
         self.num_blocks[:, changed] = self._num_blocks_applied[:, changed]
         self._arena.clear()
         self._context_view[_CTX_EPOCH] += 1
+
+    def _prepare_inputs_graph_mode(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """`prepare_inputs()` of a graph-mode `BlockTables`: recorded when capturing (`multiwrite/stage_graph.py`)."""
+        if is_capturing(self.device):
+            return _stage_graph.capture_prepare_inputs(
+                self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding
+            )
+        return _stage.prepare_inputs(
+            self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding
+        )
+
+    def _gather_graph_mode(self, idx_mapping: torch.Tensor, num_reqs_padded: int) -> tuple[torch.Tensor, ...]:
+        """`gather_block_tables()` of a graph-mode `BlockTables`: recorded when capturing."""
+        if is_capturing(self.device):
+            return _stage_graph.capture_gather_block_tables(self, idx_mapping, num_reqs_padded)
+        return _stage.gather_block_tables(self, idx_mapping, num_reqs_padded)
+
+    def _slot_mappings_graph_mode(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`compute_slot_mappings()` of a graph-mode `BlockTables`: recorded when capturing."""
+        if is_capturing(self.device):
+            return _stage_graph.capture_compute_slot_mappings(
+                self, idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding
+            )
+        return _stage.compute_slot_mappings(
+            self, idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding
+        )
 
     def __repr__(self) -> str:
         return (
