@@ -244,3 +244,16 @@ def test_capture_of_tables_without_graph_mode_is_refused_naming_the_flag(monkeyp
                            r"capture .*prepare_inputs\(\).*BlockTables\(\.\.\., cuda_graphs=True\)"):  # fmt: skip
             call()
     assert bt._arena.num_writes == 4  # still staged
+
+
+def test_a_graph_stage_without_record_stage_refuses_stage_captures(monkeypatch):
+    """A backend's graph stage that captures only the apply (no `record_stage`, as a third-party one may be)
+    refuses a captured prepare_inputs with GraphCaptureError naming the backend, recording nothing."""
+    bt = _tables()
+    bt.append_block_ids(0, ([1], [2], [3]), True)
+    monkeypatch.delattr(triton_graph.GraphStage, "record_stage")
+    x = Buffers()
+    with pytest.raises(GraphCaptureError, match=r"prepare_inputs during CUDA graph capture: the graph mode of "
+                       r"backend 'triton-cuda' captures apply_staged_writes\(\) only"):  # fmt: skip
+        _capture(bt, lambda: bt.prepare_inputs(x.idx, x.qsl, x.pos, REQS, TOKENS))
+    assert bt._arena.num_writes == 4 and bt._graph.published == 0
