@@ -716,8 +716,10 @@ class BlockTables:
         be tensors on the tables' device (values unchecked: they are read at each replay, from the engine's
         persistent buffers); fixed at capture: their addresses, `num_reqs = len(idx_mapping)`,
         `num_reqs_padded`, `num_tokens_padded`, the length of `positions` and whether `is_padding` is given.
-        Call it once eagerly before capturing so no kernel compiles in the capture. Outside a capture it
-        commits what is staged, applies every committed batch, then gathers and computes the slot mappings.
+        Call it once eagerly before capturing so no kernel compiles in the capture, and do not capture
+        `apply_staged_writes()` in the same graph (each consumes one committed batch per replay). Outside a
+        capture it commits what is staged, applies every committed batch, then gathers and computes the slot
+        mappings.
 
         Returns:
             (gathered tables, slot mappings), as the two methods return them.
