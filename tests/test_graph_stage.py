@@ -257,3 +257,36 @@ def test_a_graph_stage_without_record_stage_refuses_stage_captures(monkeypatch):
                        r"backend 'triton-cuda' captures apply_staged_writes\(\) only"):  # fmt: skip
         _capture(bt, lambda: bt.prepare_inputs(x.idx, x.qsl, x.pos, REQS, TOKENS))
     assert bt._arena.num_writes == 4 and bt._graph.published == 0
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_captured_slot_mappings_with_context_parallelism_equal_the_reference(cp_rank):
+    """cp_size 2, interleave 2: the captured launch carries the tables' context-parallel settings; each replay's
+    slots (this rank's tokens only) equal the reference for inputs rewritten in place between replays."""
+    rng = np.random.default_rng(13 + cp_rank)
+    bt = BlockTables(BS, REQS, [6, 4, 8], CPU, KBS, backend="triton-cuda", cuda_graphs=True,
+                     max_num_batched_tokens=TOKENS, cp_size=2, cp_rank=cp_rank, cp_interleave=2)  # fmt: skip
+    ref = ReferenceBlockTables(BS, REQS, [6, 4, 8], KBS)
+    idx = torch.zeros(4, dtype=torch.int64)
+    qsl = torch.zeros(5, dtype=torch.int32)
+    pos = torch.zeros(TOKENS, dtype=torch.int32)
+    slots, recorded = _capture(bt, lambda: bt.compute_slot_mappings(idx, qsl, pos, TOKENS))
+    for step in range(6):
+        for req in range(REQS):
+            ids = [rng.integers(1, 1000, n).tolist() for n in (2, 1, 3)]
+            bt.append_block_ids(req, ids, True)
+            ref.append_block_ids(req, ids, True)
+        bt.apply_staged_writes()
+        ref.apply_staged_writes()
+        rows = rng.permutation(REQS)[:4]
+        tokens = rng.integers(0, 9, 4)
+        q = np.concatenate([[0], np.cumsum(tokens)])
+        p = np.concatenate([rng.integers(0, 2 * 32, t) for t in tokens])  # inside both ranks' share of 2 blocks
+        idx.copy_(torch.from_numpy(rows))
+        qsl.copy_(torch.from_numpy(q.astype(np.int32)))
+        pos[: p.shape[0]] = torch.from_numpy(p.astype(np.int32))
+        _replay(recorded)
+        want = compute_slot_mappings_reference(ref.tables, KBS, rows.tolist(), q.tolist(), p.tolist(), TOKENS,
+                                               cp_size=2, cp_rank=cp_rank, cp_interleave=2)  # fmt: skip
+        np.testing.assert_array_equal(slots.numpy(), want, err_msg=f"step {step}")
+        assert (want >= 0).sum() > 0
