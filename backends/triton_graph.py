@@ -28,12 +28,19 @@ eager apply is needed), and after the writer's timeout synchronizes the device a
 
 The kernel is one program (writes of one header in parallel lanes, headers and overlap rounds one after
 the other, separated by barriers), reads the whole header ring in one volatile load, then metadata and
-values over unified virtual addressing, and finds each write's table through a descriptor table built once: a graph-mode
-`BlockTables` can never replace or resize its tables, so the descriptors' address is fixed for good.
+values over unified virtual addressing. Every dependent load from host memory waits for a round trip over
+PCIe (the captured apply measured 5.6 us of device time at C=40 and 20.8 us at C=256 on the H200 when it
+took one per tile of 16 writes), so a decode-sized batch (one round, at most `FEW_WRITES` writes, at most
+`PRELOADED_VALUES` values) has ALL its metadata loaded at once, in parallel with its values (both addresses
+are in the header): ring -> metadata and values -> stores, two round trips in all; bigger batches and
+batches with several rounds go tile by tile (16 writes a tile, one round trip each). It finds each write's
+table through a descriptor table built once: a graph-mode `BlockTables` can never replace or resize its
+tables, so the descriptors' address is fixed for good.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -50,8 +57,10 @@ from multiwrite.backends.triton_kernel import (
     _LentRing,
     overlap_rounds,
 )
+from multiwrite.backends.triton_stage import _descriptor_table, launch_stage
 
 from multiwrite.errors import BackendUnavailableError
+from multiwrite.stage import StageInputs
 from multiwrite.staging import StagingArena
 
 #: int64 words of one header entry: (sequence, meta address, values address, bounds address, completion
@@ -60,6 +69,11 @@ HEADER_WORDS = 8
 (H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, H_COUNTS, H_NUM_VALUES) = range(HEADER_WORDS)
 #: Values of at most this many cells (a decode step) are loaded whole, with the metadata.
 PRELOADED_VALUES: tl.constexpr = tl.constexpr(256)
+#: A batch of one round with at most this many writes (and at most PRELOADED_VALUES values: a decode step, e.g.
+#: about 87 writes at C=256 on G3) has all its metadata loaded at once, with its values; its writes are done
+#: FEW_CELLS cells at a time from registers (decode writes are 1-3 cells).
+FEW_WRITES: tl.constexpr = tl.constexpr(256)
+FEW_CELLS: tl.constexpr = tl.constexpr(4)
 DO_NOT_SPECIALIZE = ("desc_addr", "headers_addr", "state_addr", "mirror_addr", "limit", "num_tables")
 BLOCK_W, BLOCK_L, NUM_WARPS = 16, 64, 4
 
@@ -94,6 +108,8 @@ def _consume_kernel_fn(
     lanes_w = tl.arange(0, BLOCK_W)
     lanes_l = tl.arange(0, BLOCK_L)
     lanes_v = tl.arange(0, PRELOADED_VALUES)
+    lanes_f = tl.arange(0, FEW_WRITES)
+    lanes_c = tl.arange(0, FEW_CELLS)
     # The whole header ring at once, at the same time as the consumed count (no dependent round trip over
     # PCIe). Every header a run may consume was published before the run was issued (a captured run takes
     # the next one only if already published), so this one read sees all of them.
@@ -119,9 +135,42 @@ def _consume_kernel_fn(
             num_rounds = (counts >> 32).to(tl.int32)
             multi = num_rounds > 1
             small = num_values <= PRELOADED_VALUES
+            # A decode-sized batch (one round, few writes, few values): ALL its metadata in one set of loads,
+            # issued together with the values' load (both addresses come from the header), so the batch costs
+            # one round trip over PCIe instead of one per tile of writes; the writes are then done from
+            # registers. Anything else: the rounds and tiles below.
+            few = small & (num_rounds == 1) & (num_writes <= FEW_WRITES)
+            f_live = lanes_f < num_writes * few.to(tl.int32)  # (a scalar mask factor trips the interpreter)
+            f_meta = meta + lanes_f * 5
+            f_t = tl.load(f_meta + 0, mask=f_live, other=-1, cache_modifier=".cv")
+            f_row = tl.load(f_meta + 1, mask=f_live, other=-1, cache_modifier=".cv")
+            f_start = tl.load(f_meta + 2, mask=f_live, other=-1, cache_modifier=".cv")
+            f_length = tl.load(f_meta + 3, mask=f_live, other=0, cache_modifier=".cv")
+            f_voff = tl.load(f_meta + 4, mask=f_live, other=0, cache_modifier=".cv")
             preload = num_values * small.to(tl.int32)
             values_all = tl.load(values + lanes_v, mask=lanes_v < preload, other=0, cache_modifier=".cv")
-            for r in range(0, num_rounds):
+            if few:
+                live = f_live & (f_t >= 0) & (f_t < num_tables) & (f_row >= 0) & (f_start >= 0) & (f_length > 0)
+                pick = f_t[:, None] == lanes_t[None, :]
+                base = tl.sum(tl.where(pick, base_all[None, :], 0), axis=1)
+                row_stride = tl.sum(tl.where(pick, row_stride_all[None, :], 0), axis=1)
+                col_stride = tl.sum(tl.where(pick, col_stride_all[None, :], 0), axis=1)
+                rows = tl.sum(tl.where(pick, rows_all[None, :], 0), axis=1)
+                cols = tl.sum(tl.where(pick, cols_all[None, :], 0), axis=1)
+                live = live & (f_row.to(tl.int64) < rows)
+                cells = tl.where(live, f_length, 0)
+                dst = base.to(tl.pointer_type(tl.int32)) + f_row.to(tl.int64) * row_stride
+                max_cells = tl.max(cells, axis=0)
+                for c0 in range(0, max_cells, FEW_CELLS):
+                    pos = c0 + lanes_c
+                    col = f_start[:, None].to(tl.int64) + pos[None, :]
+                    vidx = f_voff[:, None] + pos[None, :]
+                    keep = (pos[None, :] < cells[:, None]) & (col < cols[:, None]) & (vidx < num_values)
+                    flat = tl.reshape(tl.where(keep, vidx, 0), [FEW_WRITES * FEW_CELLS])
+                    v = tl.reshape(tl.gather(values_all, flat, 0), [FEW_WRITES, FEW_CELLS])
+                    tl.store(dst[:, None] + col * col_stride[:, None], v, mask=keep)
+                tl.debug_barrier()  # this header's writes land before the next header's
+            for r in range(0, num_rounds * (1 - few.to(tl.int32))):
                 w_begin = tl.load(bounds + r, mask=multi, other=0, cache_modifier=".cv")
                 w_end = tl.load(bounds + r + 1, mask=multi, other=num_writes, cache_modifier=".cv")
                 for w0 in range(w_begin, w_end, BLOCK_W):
@@ -179,8 +228,45 @@ def compilable_consume_kernel() -> triton.runtime.JITFunction:
     return triton.runtime.JITFunction(_consume_kernel_fn, do_not_specialize=DO_NOT_SPECIALIZE)
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+class CapturedStage:
+    """What one capture of a graph-mode stage call recorded; kept alive by its `GraphStage` (so by the
+    `BlockTables`, which must outlive its graphs).
+
+    `launch()` is exactly what the capture recorded and what every replay runs: with `consume` (a captured
+    `prepare_inputs`), the consume kernel for the next committed batch (`GraphStage.launch(-1)`), then ONE
+    launch of the stage kernel (`triton_stage.launch_stage`: gather and/or slot mappings) with the
+    `GraphStage`'s own stage descriptors and scratch buffer. Every argument of both launches is fixed:
+    addresses of the tables, the persistent outputs, and the step's input tensors given at capture (their
+    VALUES are read when the launch runs: the engine's persistent input buffers), plus `num_reqs`,
+    `num_reqs_padded`, `num_tokens_padded` and the input lengths, fixed at capture.
+
+    Attributes:
+        graph: the `GraphStage`.
+        stage: the `StageInputs` of the capture (holds the input tensors, so their memory stays valid).
+        consume: whether the launch first consumes the next committed batch.
+    """
+
+    __slots__ = ("graph", "stage", "consume")
+
+    def __init__(self, graph: GraphStage, stage: StageInputs, consume: bool):
+        self.graph = graph
+        self.stage = stage
+        self.consume = consume
+
+    def launch(self) -> None:
+        """The recorded launches, on the current stream (what a replay runs)."""
+        graph = self.graph
+        if self.consume:
+            graph.launch(-1)
+        with graph.device_guard():
+            launch_stage(self.stage, desc=graph.stage_desc, scratch=graph.stage_scratch)
 
 
 class GraphStage:
@@ -245,6 +331,11 @@ class GraphStage:
             self.mirror_t.data_ptr(),
         )
         self._consts = {"DEPTH": depth, "NT": max(2, _pow2(self.num_tables)), "BLOCK_W": BLOCK_W, "BLOCK_L": BLOCK_L}
+        # The stage (gather, slot mappings) of captured stage calls: descriptors and scratch of its own, built
+        # once outside any capture (`bind_stage`), and every capture's inputs, alive as long as this object.
+        self.stage_desc: torch.Tensor | None = None
+        self.stage_scratch: torch.Tensor | None = None
+        self.captured: list[CapturedStage] = []
         if writer.is_gpu:
             self.launch(0)  # compile and load now: never inside a capture
             torch.cuda.synchronize(device)
@@ -348,6 +439,36 @@ class GraphStage:
             "each commit; if replays are queued, the stream they run on is held up by earlier work."
         )
 
+    # -- the captured stage ------------------------------------------------------------------------
+    def bind_stage(self, layout: StageInputs) -> None:
+        """Build the stage descriptors of the tables and their gather outputs (fixed for good), once, at
+        construction of the `BlockTables` (outside any capture: building them copies to the device).
+
+        `layout`: a `StageInputs` with the layout fields set (tables, num_blocks, input_block_tables,
+        block and kernel block sizes). `triton_stage`'s descriptor cache may evict its own reference; this
+        object keeps one, since captured launches read the descriptors by address at every replay.
+        """
+        self.stage_desc = _descriptor_table(layout)
+        self.stage_scratch = torch.zeros((1, 1), dtype=torch.int64, device=self.writer.device)
+        if self.writer.is_gpu:
+            torch.cuda.synchronize(self.writer.device)
+
+    def record_stage(self, stage: StageInputs, consume: bool) -> CapturedStage:
+        """Launch (under a capture: record) `stage`'s gather/slot mappings, after the consume kernel if
+        `consume`, and keep what the launches read by address alive; see `CapturedStage`."""
+        if self.stage_desc is None:
+            raise BackendUnavailableError("GraphStage.record_stage before bind_stage: no stage descriptors")
+        captured = CapturedStage(self, stage, consume)
+        captured.launch()
+        self.captured.append(captured)
+        return captured
+
+    def device_guard(self):
+        """A context that makes the tables' GPU current (a no-op context off a GPU)."""
+        if self.writer.is_gpu:
+            return torch.cuda.device(self.writer._index)
+        return _NO_GUARD
+
     # -- launches ---------------------------------------------------------------------------------
     def launch(self, limit: int) -> None:
         """Launch the consume kernel on the current stream: `limit = -1` (what a capture records) consumes
@@ -379,4 +500,4 @@ def new_graph_stage(writer: TritonWriter, tables: list[torch.Tensor], arena: Sta
     return GraphStage(writer, tables, lender)
 
 
-__all__ = ["GraphStage", "HEADER_WORDS", "compilable_consume_kernel", "new_graph_stage"]
+__all__ = ["CapturedStage", "GraphStage", "HEADER_WORDS", "compilable_consume_kernel", "new_graph_stage"]

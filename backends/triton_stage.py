@@ -186,21 +186,29 @@ def _descriptor_table(stage: StageInputs) -> torch.Tensor:
     return desc
 
 
-def launch_stage(stage: StageInputs) -> None:
+def launch_stage(stage: StageInputs, *, desc: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
     """The jobs `stage` asks for (gather, slot mappings, or both) in one launch on the current stream.
 
     Leaves `input_block_tables` and `slot_mappings` exactly as `multiwrite.stage.run_stage_torch` does for
     inputs that pass `BlockTables`' checks; no host synchronization.
+
+    Args:
+        desc: the stage descriptors to launch with (a capture passes ones it keeps alive: the kernel reads
+            them by address at every replay); default: `_descriptor_table(stage)` from the module cache.
+        scratch: an int64 `[1, 1]` buffer standing in for `slot_mappings` when the tables have none (a
+            capture passes one it keeps alive); default: a fresh one.
     """
     if not (stage.do_gather or stage.do_slots):
         return
     slots = stage.slot_mappings
     if slots is None:  # a gather of tables built without max_num_batched_tokens: any int64 buffer will do
-        slots = stage.num_blocks.new_empty((1, 1), dtype=torch.int64)
+        slots = stage.num_blocks.new_empty((1, 1), dtype=torch.int64) if scratch is None else scratch
     padding = stage.is_padding
     grid = (len(stage.tables), stage.num_reqs_padded + 1)
+    if desc is None:
+        desc = _descriptor_table(stage)
     _stage_kernel[grid](
-        _descriptor_table(stage), stage.num_blocks, stage.num_blocks.stride(0), stage.idx_mapping,
+        desc, stage.num_blocks, stage.num_blocks.stride(0), stage.idx_mapping,
         slots if stage.query_start_loc is None else stage.query_start_loc,
         slots if stage.positions is None else stage.positions,
         slots if padding is None else padding.view(torch.uint8), slots, slots.stride(0),

@@ -185,7 +185,12 @@ class Backend:
         empty staging arena of the `BlockTables`. The returned object must offer `commit(arena) -> int`
         (publish the staged writes for the next run; host work only), `launch(-1)` (what a capture records:
         consume the next published batch), `apply_eager()` (consume every committed batch now),
-        `would_wait(arena)` (whether a commit would wait for a run) and `pending()`. See
+        `would_wait(arena)` (whether a commit would wait for a run) and `pending()`. Optionally, to let
+        `prepare_inputs`, `gather_block_tables` and `compute_slot_mappings` be captured too:
+        `bind_stage(layout)` (called once at construction, outside any capture, with a
+        `multiwrite.stage.StageInputs` holding the layout fields) and `record_stage(stage, consume)` (launch, under
+        a capture: record, the stage of `stage`, after `launch(-1)` if `consume`, keeping alive whatever the
+        launches read by address); without them those captures raise `GraphCaptureError`. See
         `multiwrite/backends/triton_graph.py` for the built-in one and its ordering rules.
         """
         return None

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from multiwrite import stage as _stage
+from multiwrite import stage_graph as _stage_graph
 from multiwrite.backend import Backend
 from multiwrite.capture import is_capturing, refuse_capture
 from multiwrite.errors import BackendUnavailableError, StagedWriteError
@@ -74,8 +75,14 @@ class BlockTables:
         cuda_graphs: graph mode (keyword only, default False): `apply_staged_writes()` may then be called
             inside `torch.cuda.graph(...)`, recording one kernel launch whose arguments are all fixed
             addresses; each replay applies the batch closed by one `commit_staged_writes()` (see that
-            method and "CUDA graphs" in the README). Needs a backend with a graph mode (`triton-cuda`,
-            `triton-rocm`). Without it, a capture of the apply is refused (`GraphCaptureError`).
+            method and "CUDA graphs" in the README). `prepare_inputs`, `gather_block_tables` and
+            `compute_slot_mappings` may be captured too: `prepare_inputs` records that launch plus ONE launch
+            of the gather + slot-mapping kernel, the other two one such launch each. Fixed at capture: the
+            addresses of the tensors passed, `num_reqs = len(idx_mapping)`, `num_reqs_padded`,
+            `num_tokens_padded`, the length of `positions`; read at replay: the values of `idx_mapping`,
+            `query_start_loc` (with `query_start_loc[num_reqs]`), `positions`, `is_padding` (see
+            `multiwrite/stage_graph.py`). Needs a backend with a graph mode (`triton-cuda`, `triton-rocm`).
+            Without it, every such capture is refused (`GraphCaptureError`).
 
     Attributes:
         block_tables: one `StagedWriteTensor` per group; `block_tables[g].tensor` is group `g`'s int32
@@ -214,6 +221,9 @@ class BlockTables:
             # Graph mode replaces the two methods on this object only: the eager path pays nothing for it.
             self.apply_staged_writes = self._apply_graph_mode  # type: ignore[method-assign]
             self.clear_staged_writes = self._clear_graph_mode  # type: ignore[method-assign]
+            self.prepare_inputs = self._prepare_inputs_graph_mode  # type: ignore[method-assign]
+            self.gather_block_tables = self._gather_graph_mode  # type: ignore[method-assign]
+            self.compute_slot_mappings = self._slot_mappings_graph_mode  # type: ignore[method-assign]
         # What clear_staged_writes restores, with no read of num_blocks_device (a stream may still be
         # writing it): column `req` holds the request's counts as of the last successful apply, saved when
         # the batch first changes them (the row's num_blocks stamp is then this batch's epoch). Nothing to
@@ -251,6 +261,8 @@ class BlockTables:
         self.cp_size: int = config.cp_size
         self.cp_rank: int = config.cp_rank
         self.cp_interleave: int = config.cp_interleave
+        if self._graph is not None:
+            _stage_graph.bind(self)  # the stage descriptors of captured stage calls, built now (never in a capture)
 
     @property
     def num_groups(self) -> int:
@@ -514,10 +526,13 @@ class BlockTables:
         ring slot, its counts, the slot's completion token) into the next entry of a pinned header ring
         and hands the arena a fresh slot; no launch, no driver call. Staging alone cannot be picked up by
         a replay: the replay runs asynchronously, while the host may already be staging the next step, so
-        the kernel needs to be told where one step's batch ends. Each replay consumes exactly ONE committed
-        batch, in commit order: commit once before every replay (with nothing staged, the commit publishes
-        an empty batch and the replay applies nothing). An eager `apply_staged_writes()` commits and then
-        applies every committed batch. `num_blocks_device` travels in the same batches.
+        the kernel needs to be told where one step's batch ends. Each replay (of a captured
+        `apply_staged_writes()` or `prepare_inputs(...)`) consumes exactly ONE committed batch, in commit
+        order: commit once before every replay (with nothing staged, the commit publishes an empty batch and
+        the replay applies nothing). A replay of a captured `prepare_inputs` gathers and computes the slot
+        mappings after applying that batch. An eager `apply_staged_writes()` or
+        `prepare_inputs()` commits and then applies every committed batch. `num_blocks_device` travels in the
+        same batches.
 
         Does not check for tables resized in place (that check runs at capture and at eager applies).
 
@@ -562,6 +577,47 @@ class BlockTables:
         self._arena.clear()
         self._context_view[_CTX_EPOCH] += 1
 
+    def _prepare_inputs_graph_mode(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """`prepare_inputs()` of a graph-mode `BlockTables`: recorded when capturing (`multiwrite/stage_graph.py`)."""
+        if is_capturing(self.device):
+            return _stage_graph.capture_prepare_inputs(
+                self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding
+            )
+        return _stage.prepare_inputs(
+            self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding
+        )
+
+    def _gather_graph_mode(self, idx_mapping: torch.Tensor, num_reqs_padded: int) -> tuple[torch.Tensor, ...]:
+        """`gather_block_tables()` of a graph-mode `BlockTables`: recorded when capturing."""
+        if is_capturing(self.device):
+            return _stage_graph.capture_gather_block_tables(self, idx_mapping, num_reqs_padded)
+        return _stage.gather_block_tables(self, idx_mapping, num_reqs_padded)
+
+    def _slot_mappings_graph_mode(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`compute_slot_mappings()` of a graph-mode `BlockTables`: recorded when capturing."""
+        if is_capturing(self.device):
+            return _stage_graph.capture_compute_slot_mappings(
+                self, idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding
+            )
+        return _stage.compute_slot_mappings(
+            self, idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding
+        )
+
     def __repr__(self) -> str:
         return (
             f"BlockTables(block_sizes={self.block_sizes}, kernel_block_sizes={self.kernel_block_sizes}, "
@@ -588,8 +644,11 @@ class BlockTables:
 
         Raises:
             StageInputError: a wrong shape or dtype, `num_reqs` or `num_reqs_padded` above `max_num_reqs`, a
-                row outside `[0, max_num_reqs)` (checked for host inputs; device values are not read).
-            GraphCaptureError: called during CUDA graph capture (graph mode captures `apply_staged_writes` only).
+                row outside `[0, max_num_reqs)` (checked for host inputs; device values are not read); during a
+                capture (graph mode), an input that is not a tensor on the tables' device.
+            GraphCaptureError: called during CUDA graph capture on tables without `cuda_graphs=True`. In graph
+                mode the call is recorded instead: one launch that reads `idx_mapping`'s values at each replay
+                (`num_reqs` and `num_reqs_padded` fixed at capture) and the tables as the last apply left them.
         """
         return _stage.gather_block_tables(self, idx_mapping, num_reqs_padded)
 
@@ -624,8 +683,11 @@ class BlockTables:
         Raises:
             StageInputError: wrong shapes or dtypes, counts above the buffers, and for host inputs bad
                 values: a row outside the tables, `query_start_loc` not starting at 0 or decreasing, a
-                negative position or one past its table's row (naming token, request, group and width).
-            GraphCaptureError: called during CUDA graph capture (graph mode captures `apply_staged_writes` only).
+                negative position or one past its table's row (naming token, request, group and width);
+                during a capture (graph mode), an input that is not a tensor on the tables' device.
+            GraphCaptureError: called during CUDA graph capture on tables without `cuda_graphs=True`. In graph
+                mode the call is recorded instead: one launch that reads the inputs' values at each replay
+                (`num_reqs`, `num_tokens_padded` and the length of `positions` fixed at capture).
         """
         return _stage.compute_slot_mappings(
             self, idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding
@@ -648,11 +710,25 @@ class BlockTables:
         the generic torch gather and slot mapping). Inputs are checked first: a rejected call applies
         nothing and every staged write stays staged.
 
+        Graph mode (`cuda_graphs=True`): inside `torch.cuda.graph(...)` this records the consume kernel (the
+        replay applies the NEXT batch closed by `commit_staged_writes()`, as a captured `apply_staged_writes()`
+        does) followed by ONE launch of the gather + slot-mapping kernel, and commits nothing. The inputs must
+        be tensors on the tables' device (values unchecked: they are read at each replay, from the engine's
+        persistent buffers); fixed at capture: their addresses, `num_reqs = len(idx_mapping)`,
+        `num_reqs_padded`, `num_tokens_padded`, the length of `positions` and whether `is_padding` is given.
+        Call it once eagerly before capturing so no kernel compiles in the capture, and do not capture
+        `apply_staged_writes()` in the same graph (each consumes one committed batch per replay). Outside a
+        capture it commits what is staged, applies every committed batch, then gathers and computes the slot
+        mappings.
+
         Returns:
             (gathered tables, slot mappings), as the two methods return them.
 
         Raises:
-            StageInputError, and the errors of `apply_staged_writes`.
+            StageInputError: as the two methods; during a capture (graph mode), an input that is not a tensor
+                on the tables' device (its host->device copy would be captured). Nothing is recorded then.
+            GraphCaptureError: called during CUDA graph capture on tables without `cuda_graphs=True`.
+            And the errors of `apply_staged_writes`.
         """
         return _stage.prepare_inputs(
             self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding

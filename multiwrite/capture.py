@@ -92,11 +92,13 @@ def is_capturing(device: torch.device) -> bool:
 
 def _raise(device: torch.device, what: str) -> None:
     raise GraphCaptureError(
-        f"{what} on {device} during CUDA graph capture (the current stream is capturing): this apply cannot be "
-        "captured (its kernel reads a host ring slot that a replay would find holding another batch). Nothing was "
-        "recorded or changed; the staged writes stay staged. To capture BlockTables.apply_staged_writes(), create "
-        "the tables with BlockTables(..., cuda_graphs=True) and call commit_staged_writes() before each replay; "
-        "otherwise apply outside torch.cuda.graph(...)."
+        f"{what} on {device} during CUDA graph capture (the current stream is capturing): this call cannot be "
+        "captured on tables without graph mode (their apply kernel reads a host ring slot that a replay would find "
+        "holding another batch). Nothing was "
+        "recorded or changed; the staged writes stay staged. To capture BlockTables.apply_staged_writes() or "
+        "prepare_inputs() (or gather_block_tables(), compute_slot_mappings()), create the tables with "
+        "BlockTables(..., cuda_graphs=True) and call commit_staged_writes() before each replay; otherwise call it "
+        "outside torch.cuda.graph(...)."
     )
 
 

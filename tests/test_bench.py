@@ -265,6 +265,10 @@ def test_stage_part_runs_on_cpu_and_checks_every_design(capsys, monkeypatch):
     assert code == 0, out
     assert "stage (--stage)" in out and "anchor-3 and anchor-2 not run" in out
     assert " ours " in out and "ours-3-calls" in out
+    # graph mode needs a CUDA graph: not run off a GPU, with why, and its goal line says it was not measured
+    assert "graph-mode not run: it replays prepare_inputs captured in a CUDA graph" in out
+    assert "graph-mode goal (staging + commit_staged_writes <= 0.5 empty launch per decode step): not measured" in out
+    assert "0 (replay)" not in out  # no graph-mode row
 
 
 def test_anchor_kernels_equal_the_reference_through_the_interpreter():
@@ -299,3 +303,22 @@ def test_anchor_kernels_equal_the_reference_through_the_interpreter():
     assert decode >= 5
     runners[0].anchor.slot_mappings[0, 0] += 1  # a wrong slot must be reported
     assert "slot_mappings[0, 0]" in st._check(runners[0], x, ref)
+
+
+def test_stage_goal_lines_judge_graph_mode_against_half_an_empty_launch():
+    """The graph-mode goal line: staging + commit per step <= 0.5 empty launch, judged per C from its rows."""
+    from multiwrite.bench.stage import StageResult, stage_goal_lines
+
+    def row(variant, c, x):
+        return {"variant": variant, "C": c, "step_x_empty": x}
+
+    r = StageResult(rows=[row("ours", 40, 1.5), row("graph-mode", 40, 0.31), row("graph-mode", 256, 1.2)])
+    lines = stage_goal_lines(r, gpu=True, interpreted=False)
+    graph = [line for line in lines if "graph mode" in line]
+    assert graph[0].endswith("at C=40 G3 = 0.31 empty launches; goal <= 0.5: met")
+    assert graph[1].endswith("at C=256 G3 = 1.20 empty launches; goal <= 0.5: missed by 2.4x")
+    assert "prepare_inputs, staging included) at C=40 G3 = 1.50 empty launches; goal <= 2: met" in lines[0]
+    r.rows.pop()
+    assert stage_goal_lines(r, gpu=True, interpreted=False)[-1] == (
+        "GPU graph mode at C=256 G3 <= 0.5 empty launch: not in this run"
+    )

@@ -381,3 +381,30 @@ def test_warnings_are_not_raised_in_a_normal_loop():
             m.commit()
             m.replay()
             m.check()
+
+
+@pytest.mark.parametrize("requests", [63, 64, 65])
+def test_batches_at_the_edge_of_the_one_load_path_land_exactly(requests):
+    """The consume kernel loads a batch of one round with at most `FEW_WRITES` (256) writes and at most 256
+    values whole, else tile by tile: 4 writes per request here (3 groups + the counts row), so 63 and 64
+    requests take the one-load path and 65 the tiles; empty overwrites make writes outnumber nothing-values."""
+    from multiwrite.backends.triton_graph import FEW_WRITES, PRELOADED_VALUES
+
+    m = Model(reqs=70, widths=[3, 2, 3])
+    for r in range(70):
+        m.stage(r, ([r + 1], [r + 2], [r + 3, r + 4]), True)
+    m.commit()
+    m.replay()
+    m.check()
+    for r in range(requests):
+        if r % 9 == 0:
+            m.stage(r, ([r + 100], [r + 150], [r + 200]), False)  # appends: values beside the empty overwrites
+        else:
+            m.stage(r, ([], [], []), True)  # a freed row: 3 empty writes and its counts reset to 0
+    w, v = m.bt._arena.num_writes, m.bt._arena.num_values
+    assert w == 4 * requests and v <= PRELOADED_VALUES and not m.bt._arena.may_overlap
+    assert (w <= FEW_WRITES) == (requests <= 64)
+    m.commit()
+    m.replay()
+    m.check()
+    assert m.bt.num_blocks_device[0, 1].item() == 0 and m.bt[0].tensor[9, :2].tolist() == [10, 109]

@@ -18,7 +18,12 @@ Designs (`STAGE_VARIANTS`):
 - `anchor-3`: our apply, then the anchor gather and slot-mapping kernels (`bench.anchor_kernels`, vLLM's v2
   model-runner design: three launches); GPU only;
 - `anchor-2`: our apply, then the anchor's fused gather + slot mapping (vllm-project/vllm PR #34660: two
-  launches); GPU only.
+  launches); GPU only;
+- `graph-mode`: `BlockTables(..., cuda_graphs=True)` with `prepare_inputs` captured once per concurrency C in a
+  CUDA graph, over input buffers of its own padded to C requests and `TOKEN_BUDGET` tokens (outside the timed
+  region). Timed per step: staging plus `commit_staged_writes()`, the host's whole work per step in graph mode
+  (launches: "0 (replay)"); the step's inputs are then written into its buffers and the graph replayed, outside
+  the timed region, before the synchronize. GPU only. Goal: at most 0.5 empty launch per decode step.
 
 Every design's gathered rows (the cells each step defines) and slot mappings are checked against
 `multiwrite.reference` on a few steps, and its final tables at the end.
@@ -39,6 +44,7 @@ import torch
 from multiwrite.bench.variants import Snapshot, compare
 from multiwrite.block_tables import BlockTables
 from multiwrite.environment import synchronize
+from multiwrite.errors import BackendUnavailableError
 from multiwrite.reference import ReferenceBlockTables, compute_slot_mappings_reference, gather_block_tables_reference
 from multiwrite.workload import CONFIGS, TOKEN_BUDGET, ScheduledStep, Trace, max_blocks_per_group, replay_schedule
 
@@ -49,6 +55,13 @@ ANCHORS_OFF_GPU = (
     "anchor-3 and anchor-2 not run: their kernels are Triton kernels, which off a GPU run through Triton's "
     "interpreter and would time the interpreter, not the design"
 )
+#: Why graph mode is not timed off a GPU.
+GRAPH_MODE_OFF_GPU = (
+    "graph-mode not run: it replays prepare_inputs captured in a CUDA graph (BlockTables(..., cuda_graphs=True)), "
+    "which needs a CUDA GPU"
+)
+#: The graph-mode goal of issue 10: host time per step (staging + commit) in empty launches.
+GRAPH_MODE_GOAL = 0.5
 
 
 class _Inputs:
@@ -89,6 +102,9 @@ class _Runner:
 
     def run(self, x: _Inputs) -> None:
         raise NotImplementedError
+
+    def after(self, x: _Inputs) -> None:
+        """Device work of the step that is not timed (graph mode's replay); enqueued before the synchronize."""
 
     def outputs(self, x: _Inputs) -> tuple[list[torch.Tensor], torch.Tensor]:
         assert self.bt.slot_mappings is not None
@@ -145,13 +161,49 @@ class Anchor2(_Anchor):
     name, launches, fused = "anchor-2", "2", True
 
 
+class GraphMode(_Runner):
+    """Graph mode: `prepare_inputs` captured once in a CUDA graph; per step staging + `commit_staged_writes()`
+    timed, then the step's inputs written into the captured buffers and the graph replayed (not timed)."""
+
+    name, launches = "graph-mode", "0 (replay)"
+
+    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
+        bs, kbs = CONFIGS[STAGE_CONFIG]
+        self.bt = BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
+                              max_num_batched_tokens=max_tokens, cuda_graphs=True)  # fmt: skip
+        self._append = self.bt.append_block_ids
+        self._commit = self.bt.commit_staged_writes
+        # Persistent inputs padded to the bucket: `concurrency` entries (unused ones: row 0, no tokens) and
+        # `max_tokens` tokens (the unscheduled ones marked as padding).
+        self.idx = torch.zeros(concurrency, dtype=torch.int32, device=device)
+        self.qsl = torch.zeros(concurrency + 1, dtype=torch.int32, device=device)
+        self.pos = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.pad = torch.ones(max_tokens, dtype=torch.bool, device=device)
+        self._tokens = torch.arange(max_tokens, device=device)
+        args = (self.idx, self.qsl, self.pos, concurrency, max_tokens, self.pad)
+        self.bt.prepare_inputs(*args)  # compiles the kernels for these buffers: nothing compiles inside the capture
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.bt.prepare_inputs(*args)
+        torch.cuda.synchronize(device)
+
+    def run(self, x: _Inputs) -> None:
+        self._commit()
+
+    def after(self, x: _Inputs) -> None:
+        n, T = x.n, x.T
+        self.idx[:n].copy_(x.idx)
+        self.idx[n:].zero_()
+        self.qsl[: n + 1].copy_(x.qsl)
+        self.qsl[n + 1 :].fill_(T)
+        self.pos[:T].copy_(x.pos)
+        torch.ge(self._tokens, T, out=self.pad)
+        self.graph.replay()
+
+
 #: The designs, in the order the report prints them.
-STAGE_VARIANTS = (Ours, OursThreeCalls, Anchor3, Anchor2)
-# TODO(integrator, issue 10 graph mode): when `BlockTables(..., cuda_graphs=True)` and `commit_staged_writes()`
-# exist (branch s10graph), add a `GraphMode(_Runner)` here, GPU only, launches "0 (replay)": construct with
-# cuda_graphs=True, capture `prepare_inputs(x.idx_buf[:n], ...)` once per (n, T) shape outside the timed loop
-# (or over padded shapes, as engines do), and time per step `stage(calls)` + `commit_staged_writes()` (+ the
-# replay, reported apart), with outputs checked as for the others. Its goal: <= 0.5 empty launch per step.
+STAGE_VARIANTS = (Ours, OursThreeCalls, Anchor3, Anchor2, GraphMode)
 
 
 @dataclass
@@ -206,13 +258,20 @@ def measure_stage(
     result = StageResult(floor=floor)
     variants: list[type[_Runner]] = list(STAGE_VARIANTS)
     if device.type != "cuda":
-        variants = [v for v in variants if not issubclass(v, _Anchor)]
-        result.skipped.append(ANCHORS_OFF_GPU)
+        variants = [v for v in variants if not issubclass(v, (_Anchor, GraphMode))]
+        result.skipped += [ANCHORS_OFF_GPU, GRAPH_MODE_OFF_GPU]
     clock = time.perf_counter_ns
     bs, kbs = CONFIGS[STAGE_CONFIG]
     for c in concurrency:
         schedule = list(replay_schedule(trace, bs, c, steps))
-        runners = [v(device, backend, c, TOKEN_BUDGET) for v in variants]
+        runners = []
+        for v in variants:
+            try:
+                runners.append(v(device, backend, c, TOKEN_BUDGET))
+            except BackendUnavailableError as exc:  # e.g. graph mode on a backend without one
+                reason = f"{v.name} not run: {exc}"
+                if reason not in result.skipped:
+                    result.skipped.append(reason)
         ref = ReferenceBlockTables(bs, c, max_blocks_per_group(bs), kbs)
         x = _Inputs(device, c, TOKEN_BUDGET)
         measured = [i for i, s in enumerate(schedule) if i >= warmup and s.is_decode]
@@ -234,6 +293,7 @@ def measure_stage(
                     r.stage(step.calls)
                     r.run(x)
                     t1 = clock()
+                    r.after(x)
                     synchronize(device)
                     t2 = clock()
                     empty()
@@ -285,7 +345,8 @@ def stage_lines(r: StageResult, gpu: bool, format_table: Callable) -> list[str]:
     legend = (
         "ours: prepare_inputs; ours-3-calls: apply, gather_block_tables, compute_slot_mappings; anchor-3: our "
         "apply + vLLM-style gather and slot-mapping kernels; anchor-2: our apply + fused gather/slot mapping "
-        "(vllm-project/vllm PR #34660)"
+        "(vllm-project/vllm PR #34660); graph-mode: prepare_inputs captured in a CUDA graph, timed: staging + "
+        "commit_staged_writes (the replay runs untimed)"
     )
     out = ["", textwrap.fill(head, 110), textwrap.fill(legend, 110, initial_indent="  ", subsequent_indent="  ")]
     out += format_table(
@@ -301,7 +362,11 @@ def stage_lines(r: StageResult, gpu: bool, format_table: Callable) -> list[str]:
 def stage_goal_lines(r: StageResult, gpu: bool, interpreted: bool) -> list[str]:
     """The stage goal of BENCHMARKS.md: eager prepare_inputs <= 2 empty launches per decode step, C=40 and 256."""
     if interpreted or not gpu:
-        return ["GPU stage goal (prepare_inputs <= 2 empty launches per decode step): not measured on this run"]
+        return [
+            "GPU stage goal (prepare_inputs <= 2 empty launches per decode step): not measured on this run",
+            f"GPU graph-mode goal (staging + commit_staged_writes <= {GRAPH_MODE_GOAL} empty launch per decode step): "
+            "not measured on this run",
+        ]
     lines = []
     for c in (40, 256):
         row = next((x for x in r.rows if x["variant"] == "ours" and x["C"] == c), None)
@@ -312,6 +377,16 @@ def stage_goal_lines(r: StageResult, gpu: bool, interpreted: bool) -> list[str]:
         verdict = "not measured" if not math.isfinite(x) else "met" if x <= 2 else f"missed by {x / 2:.1f}x"
         lines.append(f"GPU stage (prepare_inputs, staging included) at C={c} G3 = {x:.2f} empty launches; "
                      f"goal <= 2: {verdict}")  # fmt: skip
+    for c in (40, 256):
+        row = next((x for x in r.rows if x["variant"] == GraphMode.name and x["C"] == c), None)
+        if row is None:
+            lines.append(f"GPU graph mode at C={c} G3 <= {GRAPH_MODE_GOAL} empty launch: not in this run")
+            continue
+        x = row["step_x_empty"]
+        goal = GRAPH_MODE_GOAL
+        verdict = "not measured" if not math.isfinite(x) else "met" if x <= goal else f"missed by {x / goal:.1f}x"
+        lines.append(f"GPU graph mode (staging + commit_staged_writes per step; the replay not counted) at C={c} G3 "
+                     f"= {x:.2f} empty launches; goal <= {goal}: {verdict}")  # fmt: skip
     return lines
 
 

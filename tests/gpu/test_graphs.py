@@ -1,5 +1,6 @@
-"""Graph mode on a real GPU (issue 10): `apply_staged_writes()` captured once in `torch.cuda.graph`, replayed
-over the real trace with one `commit_staged_writes()` per step, checked against the reference.
+"""Graph mode on a real GPU (issue 10): `apply_staged_writes()` (and, below, `prepare_inputs`) captured once in
+`torch.cuda.graph`, replayed over the real trace with one `commit_staged_writes()` per step, checked against the
+reference.
 
 Each captured graph also copies the tables and `num_blocks_device` into snapshot buffers right after the
 apply, as an engine's gather would read them: a snapshot shows what THAT replay left, even when the host
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 from multiwrite import BlockTables
-from multiwrite.errors import GraphCaptureError
-from multiwrite.reference import ReferenceBlockTables
-from multiwrite.workload import CONFIGS, load_trace, max_blocks_per_group, replay_steps
+from multiwrite.errors import GraphCaptureError, StageInputError
+from multiwrite.reference import ReferenceBlockTables, compute_slot_mappings_reference, gather_block_tables_reference
+from multiwrite.workload import CONFIGS, TOKEN_BUDGET, load_trace, max_blocks_per_group, replay_schedule, replay_steps
 
 from .gpu_helpers import busy, gpu_backend
 
@@ -202,3 +203,167 @@ def test_one_graph_replayed_from_two_tables_objects_is_independent(device, backe
     b.apply_staged_writes()  # eager: commits and applies
     torch.cuda.synchronize(device)
     assert b._graph.consumed == 21 and b[0].tensor[2, 0].item() == 30
+
+
+# -------------------------------------------------------------------------------------------------
+# prepare_inputs captured (apply + gather + slot mappings in the graph)
+# -------------------------------------------------------------------------------------------------
+class CapturedStep:
+    """A graph-mode BlockTables of G3 with `reqs` rows, and a graph that captured `prepare_inputs` once over
+    persistent device input buffers sized for the padded bucket: `reqs` batch entries (a step's unused ones
+    point at row 0 with zero tokens) and TOKEN_BUDGET tokens (`is_padding` marks the unscheduled ones)."""
+
+    def __init__(self, device, backend_name: str, reqs: int = 40):
+        widths = max_blocks_per_group(BLOCK_SIZES)
+        self.reqs, self.device = reqs, device
+        self.bt = BlockTables(BLOCK_SIZES, reqs, widths, device, KERNEL_BLOCK_SIZES, backend=gpu_backend(backend_name),
+                              cuda_graphs=True, max_num_batched_tokens=TOKEN_BUDGET)  # fmt: skip
+        self.ref = ReferenceBlockTables(BLOCK_SIZES, reqs, widths, KERNEL_BLOCK_SIZES)
+        self.idx = torch.zeros(reqs, dtype=torch.int32, device=device)
+        self.qsl = torch.zeros(reqs + 1, dtype=torch.int32, device=device)
+        self.pos = torch.zeros(TOKEN_BUDGET, dtype=torch.int64, device=device)
+        self.pad = torch.ones(TOKEN_BUDGET, dtype=torch.bool, device=device)
+        args = (self.idx, self.qsl, self.pos, reqs, TOKEN_BUDGET, self.pad)
+        self.bt.prepare_inputs(*args)  # eager warm-up: compiles the stage kernel for these buffers, outside the capture
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.gathered, self.slots = self.bt.prepare_inputs(*args)
+        torch.cuda.synchronize(device)
+        assert self.bt._graph.published == 0 and self.bt._graph.consumed == 0  # capturing ran nothing
+        self._pinned: list[torch.Tensor] = []  # host copies of queued inputs, alive until the next synchronize
+
+    def stage(self, calls) -> None:
+        for req, ids, overwrite in calls:
+            self.bt.append_block_ids(req, ids, overwrite)
+            self.ref.append_block_ids(req, ids, overwrite)
+
+    def load(self, step) -> tuple[list[int], list[int], list[int], list[bool], int]:
+        """Write the step's inputs into the device buffers (asynchronously, in stream order, from pinned
+        copies: the host never waits for earlier replays). Returns them as lists, and the real entry count."""
+        n = len(step.rows)
+        idx = list(step.rows) + [0] * (self.reqs - n)
+        tokens = list(step.tokens) + [0] * (self.reqs - n)
+        qsl = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+        T = int(qsl[-1])
+        pos = np.zeros(TOKEN_BUDGET, dtype=np.int64)
+        pos[:T] = np.concatenate([np.arange(s, s + t) for s, t in zip(step.starts, step.tokens)] or [np.zeros(0)])
+        pad = np.arange(TOKEN_BUDGET) >= T
+        for buf, host in ((self.idx, np.asarray(idx, dtype=np.int32)), (self.qsl, qsl.astype(np.int32)),
+                          (self.pos, pos), (self.pad, pad)):  # fmt: skip
+            pinned = torch.from_numpy(host).pin_memory()
+            buf.copy_(pinned, non_blocking=True)
+            self._pinned.append(pinned)
+        return idx, qsl.tolist(), pos[:T].tolist(), pad.tolist(), n
+
+    def expected(self, inputs) -> tuple[list[np.ndarray], np.ndarray]:
+        """The reference's gathered rows and slot mappings for `inputs` (as `load` returned them)."""
+        idx, qsl, pos, pad, _ = inputs
+        zero = [np.zeros(t.shape, dtype=np.int64) for t in self.ref.tables]
+        gathered = gather_block_tables_reference(self.ref.tables, self.ref.num_blocks, idx, self.reqs, zero)
+        slots = compute_slot_mappings_reference(self.ref.tables, KERNEL_BLOCK_SIZES, idx, qsl, pos, TOKEN_BUDGET, pad)
+        counts = [self.ref.num_blocks[g, idx] for g in range(len(BLOCK_SIZES))]
+        return [np.where(np.arange(w.shape[1])[None, :] < c[:, None], w, -7) for w, c in zip(gathered, counts)], slots
+
+    def outputs(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Copies of the outputs, taken in stream order after the last replay."""
+        return [t.clone() for t in self.gathered], self.slots.clone()
+
+
+def _stage_mismatch(got: tuple[list[torch.Tensor], torch.Tensor], want, n: int) -> str:
+    """"" when the gathered cells the step defines (entries < n, columns < num_blocks) and every slot equal the
+    reference, else the first difference."""
+    for g, (a, w) in enumerate(zip(got[0], want[0])):
+        a = a.cpu().numpy()[:n]
+        bad = np.argwhere((w[:n] != -7) & (a != w[:n]))
+        if bad.size:
+            b, c = (int(i) for i in bad[0])
+            return f"group {g} gathered[{b}, {c}] = {a[b, c]}, reference {w[b, c]}"
+    s = got[1].cpu().numpy()
+    bad = np.argwhere(s != want[1])
+    if bad.size:
+        g, i = (int(v) for v in bad[0])
+        return f"slot_mappings[{g}, {i}] = {s[g, i]}, reference {want[1][g, i]}"
+    return ""
+
+
+def test_captured_prepare_inputs_over_the_real_trace_equals_the_reference(device, backend_name):
+    """Capture prepare_inputs once (padded bucket: 40 entries, 8192 tokens); 500 steps of the trace (G3, C=40),
+    each: stage, commit, write the step's inputs into the buffers, replay; the gathered cells each step defines
+    and all slot mappings equal the reference every step."""
+    c = CapturedStep(device, backend_name)
+    steps = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _ring_wait_warning())
+        for step in replay_schedule(load_trace(), BLOCK_SIZES, 40, 500):
+            c.stage(step.calls)
+            c.bt.commit_staged_writes()
+            c.ref.apply_staged_writes()
+            inputs = c.load(step)
+            c.graph.replay()
+            got = c.outputs()
+            torch.cuda.synchronize(device)
+            c._pinned.clear()
+            assert _stage_mismatch(got, c.expected(inputs), inputs[4]) == "", f"step {steps}"
+            steps += 1
+    assert steps == 500
+    assert c.bt._graph.consumed == 500 and c.bt._graph.idle_runs == 0
+    np.testing.assert_array_equal(c.bt.num_blocks_device.cpu().numpy(), c.ref.num_blocks)
+    for g, t in enumerate(c.bt.block_tables):
+        np.testing.assert_array_equal(t.tensor.cpu().numpy(), c.ref.tables[g], err_msg=f"group {g}")
+
+
+def test_a_captured_prepare_inputs_queued_behind_a_busy_stream_sees_only_its_own_step(device, backend_name):
+    """Replay N of the captured prepare_inputs waits behind 50 ms of device work while the host stages, commits
+    and loads the inputs of step N+1 and queues its replay: replay N must apply step N only and read step N's
+    inputs (its output copies), replay N+1 then step N+1."""
+    c = CapturedStep(device, backend_name)
+    schedule = iter(replay_schedule(load_trace(), BLOCK_SIZES, 40, 60))
+    for i, step in enumerate(schedule):
+        c.stage(step.calls)
+        c.bt.commit_staged_writes()
+        c.ref.apply_staged_writes()
+        if i < 50:  # past the first prefills: rows are reused by new requests (overwrites)
+            c.load(step)
+            c.graph.replay()
+            continue
+        torch.cuda.synchronize(device)
+        c._pinned.clear()
+        busy(0.05)
+        inputs_n = c.load(step)
+        c.graph.replay()
+        got_n = c.outputs()
+        want_n = c.expected(inputs_n)
+        assert c.bt._graph.consumed < c.bt._graph.published  # replay N has not run yet
+        nxt = next(schedule, None)
+        if nxt is None:
+            break
+        c.stage(nxt.calls)
+        c.bt.commit_staged_writes()  # while replay N still waits
+        c.ref.apply_staged_writes()
+        inputs_n1 = c.load(nxt)
+        c.graph.replay()
+        got_n1, want_n1 = c.outputs(), c.expected(inputs_n1)
+        torch.cuda.synchronize(device)
+        assert _stage_mismatch(got_n, want_n, inputs_n[4]) == "", f"step {i}: replay N saw more (or less) than step N"
+        assert _stage_mismatch(got_n1, want_n1, inputs_n1[4]) == "", f"step {i + 1}"
+    assert c.bt._graph.idle_runs == 0 and c.bt._graph.consumed == c.bt._graph.published
+
+
+def test_a_host_input_is_refused_during_capture_and_nothing_is_recorded(device, backend_name):
+    bt = BlockTables(BLOCK_SIZES, 8, [20, 10, 40], device, KERNEL_BLOCK_SIZES, backend=gpu_backend(backend_name),
+                     cuda_graphs=True, max_num_batched_tokens=64)  # fmt: skip
+    idx = torch.zeros(8, dtype=torch.int32, device=device)
+    qsl, pos = torch.zeros(9, dtype=torch.int32, device=device), torch.zeros(64, dtype=torch.int64, device=device)
+    bt.prepare_inputs(idx, qsl, pos, 8, 64)  # warm-up
+    bt.append_block_ids(0, ([1], [2], [3]), True)
+    host_idx = torch.zeros(8, dtype=torch.int32).pin_memory()
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(StageInputError, match="idx_mapping is on cpu.*host->device copy would be captured"):
+        with torch.cuda.graph(g):
+            bt.prepare_inputs(host_idx, qsl, pos, 8, 64)
+    assert bt._graph.captured == [] and bt._arena.num_writes == 4
+    bt.apply_staged_writes()
+    torch.cuda.synchronize(device)
+    assert bt[2].tensor[0, 0].item() == 3
