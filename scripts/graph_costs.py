@@ -10,7 +10,11 @@ steps (at most 256 staged values) after 50 warm-up steps:
     commit at most 0.5 empty launch per step);
   - device: what the captured apply adds to a graph, per replay: CUDA events around the replay of a graph
     [empty launch, apply] and of a graph [empty launch], alternating step by step, each replay consuming a
-    real committed step (the goal: at most 3 us at C=256).
+    real committed step (the goal: at most 3 us at C=256);
+  - with --stage, the same for the whole captured stage, `prepare_inputs` (apply, gather, slot mappings) over
+    persistent input buffers: decode steps replay a graph captured for C requests and C tokens (the bucket an
+    engine would use), other steps one captured for C requests and the whole token budget; the device time
+    added is measured on decode steps.
 The device is synchronized after each step, outside the timed regions.
 """
 
@@ -24,7 +28,14 @@ import torch
 
 from multiwrite import BlockTables
 from multiwrite.bench.floor_kernel import empty_kernel
-from multiwrite.workload import CONFIGS, load_trace, max_blocks_per_group, replay_steps
+from multiwrite.workload import (
+    CONFIGS,
+    TOKEN_BUDGET,
+    load_trace,
+    max_blocks_per_group,
+    replay_schedule,
+    replay_steps,
+)
 
 WARMUP = 50
 DECODE_VALUES = 256
@@ -93,16 +104,86 @@ def measure(concurrency: int, steps: int) -> dict[str, float]:
     }
 
 
+def measure_stage(concurrency: int, steps: int) -> dict[str, float]:
+    """What a captured `prepare_inputs` adds to a graph per decode replay (see the module docstring)."""
+    block_sizes, kernel_block_sizes = CONFIGS["G3"]
+    widths = max_blocks_per_group(block_sizes)
+    C, T = concurrency, TOKEN_BUDGET
+    bt = BlockTables(block_sizes, C, widths, "cuda", kernel_block_sizes, cuda_graphs=True, max_num_batched_tokens=T)
+    idx = torch.zeros(C, dtype=torch.int32, device="cuda")
+    qsl = torch.zeros(C + 1, dtype=torch.int32, device="cuda")
+    pos = torch.zeros(T, dtype=torch.int64, device="cuda")
+    pad = torch.ones(T, dtype=torch.bool, device="cuda")
+    tokens = torch.arange(T, device="cuda")
+    word = torch.zeros(1, device="cuda")
+    empty_kernel[(1,)](word)
+
+    def floor():
+        empty_kernel[(1,)](word)
+
+    decode_args = (idx, qsl, pos[:C], C, C, pad[:C])
+    full_args = (idx, qsl, pos, C, T, pad)
+    bt.prepare_inputs(*decode_args)  # compiled (and the graph stage bound) before any capture
+    bt.prepare_inputs(*full_args)
+    torch.cuda.synchronize()
+
+    def with_stage():
+        floor()
+        bt.prepare_inputs(*decode_args)
+
+    g_decode, g_full, g_without = _graph(with_stage), _graph(lambda: bt.prepare_inputs(*full_args)), _graph(floor)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with_us, without_us = [], []
+    for i, step in enumerate(replay_schedule(load_trace(), block_sizes, C, steps)):
+        for req, ids, overwrite in step.calls:
+            bt.append_block_ids(req, ids, overwrite)
+        bt.commit_staged_writes()
+        n = len(step.rows)
+        qsl_host = [0]
+        for t in step.tokens:
+            qsl_host.append(qsl_host[-1] + t)
+        total = qsl_host[-1]
+        idx[:n].copy_(torch.tensor(step.rows, dtype=torch.int32))
+        idx[n:].zero_()
+        qsl[: n + 1].copy_(torch.tensor(qsl_host, dtype=torch.int32))
+        qsl[n + 1 :].fill_(total)
+        positions = [p for s0, t in zip(step.starts, step.tokens) for p in range(s0, s0 + t)]
+        pos[:total].copy_(torch.tensor(positions, dtype=torch.int64))
+        torch.ge(tokens, total, out=pad)
+        torch.cuda.synchronize()
+        timed = step.is_decode and i >= WARMUP
+        graph = g_decode if step.is_decode else g_full
+        if timed and i % 2:
+            graph = g_without
+            g_decode.replay()  # consume this step's batch outside the timed replay
+            torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if timed:
+            (without_us if graph is g_without else with_us).append(start.elapsed_time(end) * 1e3)
+    return {
+        "decode steps": len(with_us) + len(without_us),
+        "graph with prepare_inputs us": statistics.median(with_us),
+        "graph without us": statistics.median(without_us),
+        "device time added us": statistics.median(with_us) - statistics.median(without_us),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[40, 256])
+    parser.add_argument("--stage", action="store_true", help="also the captured prepare_inputs")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for c in args.concurrency:
-        result = measure(c, args.steps)
-        parts = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
-        print(f"C={c} G3: " + ", ".join(parts))
+        runs = [("apply", measure)] + ([("prepare_inputs", measure_stage)] if args.stage else [])
+        for what, fn in runs:
+            result = fn(c, args.steps)
+            parts = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
+            print(f"C={c} G3 captured {what}: " + ", ".join(parts), flush=True)
 
 
 if __name__ == "__main__":
