@@ -640,7 +640,8 @@ class BlockTables:
 
         Returns:
             `input_block_tables[g][:num_reqs_padded]` per group: views of persistent int32 tensors whose
-            addresses never change.
+            addresses never change. The same view objects come back for the same `num_reqs_padded` (no
+            allocation per call): read and write through them, but do not `resize_` or `set_` them.
 
         Raises:
             StageInputError: a wrong shape or dtype, `num_reqs` or `num_reqs_padded` above `max_num_reqs`, a
@@ -678,7 +679,8 @@ class BlockTables:
             Tensors on the tables' device or on the host (pinned memory for a GPU).
 
         Returns:
-            `slot_mappings[:, :num_tokens_padded]`, a view of the persistent buffer.
+            `slot_mappings[:, :num_tokens_padded]`, a view of the persistent buffer (the same object for the
+            same `num_tokens_padded`, as for `gather_block_tables`).
 
         Raises:
             StageInputError: wrong shapes or dtypes, counts above the buffers, and for host inputs bad
