@@ -308,6 +308,23 @@ def _refuse_capture(bt: BlockTables, what: str) -> None:
     refuse_capture(bt.device, f"BlockTables.{what}")  # GraphCaptureError before anything is applied or written
 
 
+def new_stage(config: _StageConfig) -> StageInputs:
+    """A `StageInputs` holding what is fixed for one `BlockTables` (its `_stage_config`): tables, outputs, sizes,
+    context parallelism, plans; the step's fields are the caller's to set."""
+    s = StageInputs()
+    s.tables = config.tables
+    s.num_blocks = config.num_blocks
+    s.input_block_tables = config.input_block_tables
+    s.slot_mappings = config.slot_mappings
+    s.block_sizes = config.block_sizes
+    s.kernel_block_sizes = config.kernel_block_sizes
+    s.kernel_blocks_per_block = config.kernel_blocks_per_block
+    s.cp_size, s.cp_rank, s.cp_interleave = config.cp_size, config.cp_rank, config.cp_interleave
+    s.plans, s._config = config.plans, config
+    s._columns, s._tokens = config.columns, config.tokens
+    return s
+
+
 def _build_common(
     config: _StageConfig,
     idx: Any,
@@ -341,17 +358,7 @@ def _build_common(
         and pad.shape[0] >= num_tokens_padded
     ):  # fmt: skip
         return None
-    s = StageInputs()
-    s.tables = config.tables
-    s.num_blocks = config.num_blocks
-    s.input_block_tables = config.input_block_tables
-    s.slot_mappings = config.slot_mappings
-    s.block_sizes = config.block_sizes
-    s.kernel_block_sizes = config.kernel_block_sizes
-    s.kernel_blocks_per_block = config.kernel_blocks_per_block
-    s.cp_size, s.cp_rank, s.cp_interleave = config.cp_size, config.cp_rank, config.cp_interleave
-    s.plans, s._config = config.plans, config
-    s._columns, s._tokens = config.columns, config.tokens
+    s = new_stage(config)
     s.do_gather = s.do_slots = True
     s.idx_mapping, s.query_start_loc, s.positions, s.is_padding = idx, qsl, pos, pad
     s.num_reqs, s.num_reqs_padded, s.num_tokens_padded = n, num_reqs_padded, num_tokens_padded
@@ -376,17 +383,7 @@ def _build(
     config: _StageConfig = bt._stage_config
     device = config.device
     R = config.max_num_reqs
-    s = StageInputs()
-    s.tables = config.tables
-    s.num_blocks = config.num_blocks
-    s.input_block_tables = config.input_block_tables
-    s.slot_mappings = config.slot_mappings
-    s.block_sizes = config.block_sizes
-    s.kernel_block_sizes = config.kernel_block_sizes
-    s.kernel_blocks_per_block = config.kernel_blocks_per_block
-    s.cp_size, s.cp_rank, s.cp_interleave = config.cp_size, config.cp_rank, config.cp_interleave
-    s.plans, s._config = config.plans, config
-    s._columns, s._tokens = config.columns, config.tokens
+    s = new_stage(config)
     s.do_gather = num_reqs_padded is not None
     s.do_slots = num_tokens_padded is not None
 

@@ -46,15 +46,7 @@ def bind(bt: BlockTables) -> None:
     bind_stage = getattr(bt._graph, "bind_stage", None)
     if bind_stage is None:
         return
-    layout = _stage.StageInputs()
-    layout.tables = [t.tensor for t in bt.block_tables]
-    layout.num_blocks = bt.num_blocks_device
-    layout.input_block_tables = bt.input_block_tables
-    layout.slot_mappings = bt.slot_mappings
-    layout.block_sizes = bt.block_sizes
-    layout.kernel_block_sizes = bt.kernel_block_sizes
-    layout.kernel_blocks_per_block = bt.kernel_blocks_per_block
-    bind_stage(layout)
+    bind_stage(_stage.new_stage(bt._stage_config))
 
 
 def _on_device(bt: BlockTables, what: str, **tensors: Any) -> None:
