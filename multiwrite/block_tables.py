@@ -513,6 +513,11 @@ class BlockTables:
                 dropped.
         """
         refuse_capture(self.device, "BlockTables.clear_staged_writes")
+        self._drop_staged_writes()
+
+    def _drop_staged_writes(self) -> None:
+        """Drop every staged write; `num_blocks` back to the counts of the last apply (or commit), from the host
+        copy kept at staging time; a new batch epoch."""
         changed = np.flatnonzero(self._stamps[self._counts_table] == self._context_view[_CTX_EPOCH])
         self.num_blocks[:, changed] = self._num_blocks_applied[:, changed]
         self._arena.clear()
@@ -572,10 +577,7 @@ class BlockTables:
     def _clear_graph_mode(self) -> None:
         """`clear_staged_writes()` of a graph-mode `BlockTables`: drops the writes staged since the last
         commit; committed batches stay committed (host work only, allowed during a capture)."""
-        changed = np.flatnonzero(self._stamps[self._counts_table] == self._context_view[_CTX_EPOCH])
-        self.num_blocks[:, changed] = self._num_blocks_applied[:, changed]
-        self._arena.clear()
-        self._context_view[_CTX_EPOCH] += 1
+        self._drop_staged_writes()
 
     def _prepare_inputs_graph_mode(
         self,
