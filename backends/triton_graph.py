@@ -272,6 +272,9 @@ class CapturedStage:
 class GraphStage:
     """The graph-mode apply of one `BlockTables`: its header ring, fixed descriptors and the consume kernel.
 
+    `commit` has a compiled twin for its common case (`multiwrite._cstaging.commit_graph`, `C_COMMIT`), which
+    writes the same header words and hands the arena the same next slot.
+
     Args:
         writer: the `TritonWriter` of the tables' device (its wait timeouts, kernel slot guard).
         tables: the 2-D int32 tables of the `BlockTables`, in its arena's table order (fixed for good).
@@ -286,6 +289,9 @@ class GraphStage:
         BackendUnavailableError: the writer guards its slots with CUDA events (`guard="event"`): a captured
             launch cannot record one, so graph mode needs the kernel guard.
     """
+
+    #: `BlockTables.commit_staged_writes` may use `multiwrite._cstaging.commit_graph` on this object.
+    C_COMMIT = True
 
     def __init__(self, writer: TritonWriter, tables: list[torch.Tensor], lender: _LentRing):
         if not writer._kernel_guard:
@@ -313,6 +319,8 @@ class GraphStage:
         self.mirror_t = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
         self.mirror = self.mirror_t.numpy()
         self._mirror_mv = memoryview(self.mirror)  # type: ignore[arg-type]
+        # What the compiled commit (`multiwrite._cstaging.commit_graph`) reads besides `published`, `depth`, `lender`.
+        self.headers_addr, self.mirror_addr = self.headers_t.data_ptr(), self.mirror_t.data_ptr()
         self.state = torch.zeros(2, dtype=torch.int64, device=device)
         rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
         assert len(rows[0]) == DESC_COLUMNS

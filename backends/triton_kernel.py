@@ -257,11 +257,15 @@ class _Slot:
     stream launched it and whenever the descriptor cache drops it.
     """
 
-    __slots__ = ("buf", "wcap", "vcap", "meta", "bounds", "views", "meta_addr", "bounds_addr", "values_addr", "desc")
+    __slots__ = ("buf", "wcap", "vcap", "meta", "bounds", "views", "meta_addr", "bounds_addr", "values_addr", "desc",
+                 "lent")  # fmt: skip
 
     def __init__(self, wcap: int, vcap: int, pin: bool):
         self.wcap, self.vcap = wcap, vcap
         self.desc: _Descriptors | None = None
+        # Set by the `_LentRing` lending the slot: (meta, values, meta_bytes, values_flat, meta_addr,
+        # values_addr, meta rows, values items), what a compiled rotation hands the arena (`_cstaging.rotate_lent`).
+        self.lent: tuple | None = None
         b_off = _align(wcap * META_COLUMNS * 4)
         v_off = b_off + _align((wcap + 1) * 4)
         self.buf = torch.empty(v_off + vcap * 8, dtype=torch.uint8, pin_memory=pin)
@@ -336,6 +340,7 @@ class _Ring:
         self.owner = owner
         self.name = name
         self.depth = depth
+        self.kernel_guard = owner._kernel_guard  # (read by the compiled rotation and commit)
         n = depth + extra_words
         self.done_t = torch.zeros(n, dtype=torch.int32, pin_memory=owner.is_gpu)
         self.done = self.done_t.numpy()
@@ -475,7 +480,11 @@ class _LentRing(StagingBuffers):
         self.current = 0  # the slot the arena stages into
 
     def _lend(self, slot: _Slot) -> tuple[np.ndarray, np.ndarray, int, int]:
-        return slot.meta, slot.views[self.np_dtype], slot.meta_addr, slot.values_addr
+        meta, values = slot.meta, slot.views[self.np_dtype]
+        if slot.lent is None:  # what the compiled rotation hands over (`_cstaging.rotate_lent`)
+            slot.lent = (meta, values, meta.data.cast("B"), values.data, slot.meta_addr, slot.values_addr,
+                         meta.shape[0], values.shape[0])  # fmt: skip
+        return meta, values, slot.meta_addr, slot.values_addr
 
     def acquire(self, write_capacity: int, value_capacity: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """The next free slot of the ring, big enough; see `StagingBuffers.acquire`."""

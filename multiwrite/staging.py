@@ -61,6 +61,21 @@ STAGE_CLOCK = np.zeros(2, dtype=np.int64)
 _CLOCK = STAGE_CLOCK.data  # int64 loads and stores without numpy scalars
 _arena_uids = itertools.count(1)
 
+try:  # the compiled staging paths (optional: built where a C compiler exists)
+    from multiwrite._cstaging import ArenaFields as _ArenaFields
+    from multiwrite._cstaging import bind_clock as _bind_clock
+    from multiwrite._cstaging import rotate_lent as _rotate_lent
+
+    _bind_clock(STAGE_CLOCK, STAGE_CLOCK.ctypes.data)
+except ImportError:  # pragma: no cover - depends on the install
+    _rotate_lent = None
+
+    class _ArenaFields:  # type: ignore[no-redef]
+        """What `multiwrite._cstaging.ArenaFields` holds as C fields, as plain attributes."""
+
+        __slots__ = ("num_writes", "num_values", "meta_addr", "values_addr", "meta_cap", "values_cap", "uid",
+                     "may_overlap")  # fmt: skip
+
 
 def table_layout(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """`(data_ptr, shape, strides)` of a tensor: what a resize or `set_` in place changes."""
@@ -157,7 +172,7 @@ class StagingBuffers:
         """The arena is being destroyed: memory lent to it may be freed once no kernel reads it."""
 
 
-class StagingArena:
+class StagingArena(_ArenaFields):
     """Staged writes of one or more tables of one dtype, in staging order, in growable numpy arrays.
 
     Values are appended in staging order with no gaps: write `w`'s value offset is the sum of the
@@ -168,6 +183,11 @@ class StagingArena:
     writes hit the same row of the same table (they may then touch the same cells, and backends must
     keep staging order there). `meta_flat` and `values_flat` are memoryviews of the same memory: a
     store through them costs a third of a numpy scalar store and checks the value's type and range.
+
+    The counters (`num_writes`, `num_values`, `may_overlap`), the arrays' addresses and capacities
+    (`meta_addr`, `values_addr`, `meta_cap`, `values_cap`) and `uid` are fields of the base class
+    (`multiwrite._cstaging.ArenaFields` where the compiled paths are built), which those paths read and
+    write directly; they must be assigned exact ints (bool for `may_overlap`).
     """
 
     __slots__ = (
@@ -176,18 +196,11 @@ class StagingArena:
         "values",
         "meta_bytes",
         "values_flat",
-        "num_writes",
-        "num_values",
         "targets",
         "rows_seen",
-        "may_overlap",
         "layout_version",
-        "generation",
         "lender",
-        "meta_addr",
-        "values_addr",
         "stamped",
-        "uid",
         "runs",
         "frozen",
     )
@@ -208,7 +221,6 @@ class StagingArena:
         self.rows_seen: set[int] = set()  # row << 16 | table, for the writes staged now
         self.may_overlap = False
         self.layout_version = 0  # bumped whenever a table is added or replaced
-        self.generation = 0  # bumped whenever `meta` or `values` is reallocated
         self.lender: StagingBuffers | None = None
         # True when an owner (BlockTables) tracks overlaps of its own writes outside `rows_seen`: any
         # other write into the arena is then assumed to overlap (correct, merely slower to apply).
@@ -220,6 +232,7 @@ class StagingArena:
         self.frozen: list[tuple[torch.Tensor, tuple, str]] | None = None
         self.meta_addr = self.meta.ctypes.data
         self.values_addr = self.values.ctypes.data
+        self.meta_cap, self.values_cap = write_capacity, value_capacity
 
     def add_target(self, target: StagedWriteTensor) -> int:
         """Register a table that stages here; returns its table index in this arena's metadata."""
@@ -253,7 +266,7 @@ class StagingArena:
         self.meta_bytes = meta.data.cast("B")
         self.values_flat = values.data
         self.meta_addr, self.values_addr = meta_addr, values_addr
-        self.generation += 1
+        self.meta_cap, self.values_cap = meta.shape[0], values.shape[0]
 
     def __del__(self) -> None:
         lender = getattr(self, "lender", None)
@@ -268,8 +281,9 @@ class StagingArena:
 
     def rotate(self) -> None:
         """After an apply consumed every staged write: take fresh arrays from the lender (if any)."""
-        if self.lender is not None:
-            self._use(*self.lender.acquire(self.meta.shape[0], self.values.shape[0]))
+        lender = self.lender
+        if lender is not None and not (_rotate_lent is not None and _rotate_lent(self, lender)):
+            self._use(*lender.acquire(self.meta.shape[0], self.values.shape[0]))
 
     def push(self, table: int, row: int, start: int, values: Any, length: int) -> None:
         """Append one write whose row, start and length were validated. `values` is a list, tuple or

@@ -115,14 +115,18 @@ def backend(request: pytest.FixtureRequest) -> BackendCase:
 
 @pytest.fixture(params=["compiled", "python"])
 def staging(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """BlockTables staging through the compiled path (when built) and through the pure-Python path."""
+    """BlockTables staging through the compiled paths (when built: `append_block_ids`, the lent ring's rotation,
+    graph mode's commit) and through the pure-Python ones (tables built after the fixture)."""
     import multiwrite.block_tables as block_tables
+    import multiwrite.staging as staging_module
 
     if request.param == "compiled":
         if block_tables._stage_block_ids is None:
             pytest.skip("multiwrite._cstaging is not built (no C compiler at install time)")
     else:
         monkeypatch.setattr(block_tables, "_stage_block_ids", None)
+        monkeypatch.setattr(block_tables, "_commit_graph", None)
+        monkeypatch.setattr(staging_module, "_rotate_lent", None)
     return request.param
 
 

@@ -517,7 +517,7 @@ def _multiwrite_imports(path: Path) -> set[str]:
     ("module", "allowed"),
     [
         ("errors", set()),
-        ("staging", {"multiwrite.errors"}),
+        ("staging", {"multiwrite.errors", "multiwrite._cstaging"}),  # (the compiled module imports nothing of ours)
         ("capture", {"multiwrite.errors"}),
         # the default `Backend.prepare_inputs` composes apply with the generic torch stage (a lazy import)
         ("backend", {"multiwrite.errors", "multiwrite.staging", "multiwrite.stage"}),
