@@ -312,13 +312,20 @@ def test_stage_goal_lines_judge_graph_mode_against_half_an_empty_launch():
     def row(variant, c, x):
         return {"variant": variant, "C": c, "step_x_empty": x}
 
-    r = StageResult(rows=[row("ours", 40, 1.5), row("graph-mode", 40, 0.31), row("graph-mode", 256, 1.2)])
+    r = StageResult(rows=[row("ours", 40, 1.5), row("ours-batched", 256, 2.5), row("graph-mode-batched", 40, 0.31),
+                          row("graph-mode-batched", 256, 1.2), row("graph-mode", 40, 0.6)])  # fmt: skip
     lines = stage_goal_lines(r, gpu=True, interpreted=False)
-    graph = [line for line in lines if "graph mode" in line]
+    graph = [line for line in lines if "graph-mode-batched (staging" in line]
     assert graph[0].endswith("at C=40 G3 = 0.31 empty launches; goal <= 0.5: met")
     assert graph[1].endswith("at C=256 G3 = 1.20 empty launches; goal <= 0.5: missed by 2.4x")
-    assert "prepare_inputs, staging included) at C=40 G3 = 1.50 empty launches; goal <= 2: met" in lines[0]
-    r.rows.pop()
+    assert "GPU graph-mode (staging + commit_staged_writes per step; the replay not counted) at C=40 G3 = 0.60 " in (
+        "\n".join(lines)
+    )
+    assert "(ours: prepare_inputs, staging included) at C=40 G3 = 1.50 empty launches; goal <= 2: met" in lines[0]
+    assert lines[1] == "GPU stage (ours) at C=256 G3 <= 2 empty launches: not in this run"
+    assert "(ours-batched: prepare_inputs, staging included) at C=256 G3 = 2.50 empty launches; goal <= 2: missed by " \
+        "1.2x" in lines[3]
+    r.rows.pop(3)
     assert stage_goal_lines(r, gpu=True, interpreted=False)[-1] == (
-        "GPU graph mode at C=256 G3 <= 0.5 empty launch: not in this run"
+        "GPU graph-mode-batched at C=256 G3 <= 0.5 empty launch: not in this run"
     )
