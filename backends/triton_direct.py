@@ -20,7 +20,7 @@ order: `GraphCaptureError` first; the launch guarded by the ring slot's completi
 `_Ring.launched`); a launch that raises gives the `BackendError` of `FusedStagedWriter._call_backend` with every
 write still staged (and host `num_blocks` as staged, so a retry lands them all); after the launch the arena is
 cleared and rotated and the tables' overlap epoch bumped, as `BlockTables.apply_staged_writes` does.
-`tests/test_stage_direct.py` checks each against the general path.
+`tests/test_stage_fast_path.py` checks each against the general path.
 """
 
 from __future__ import annotations

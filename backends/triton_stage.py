@@ -637,8 +637,10 @@ def _plan(writer: TritonWriter, batch: WriteBatch, stage: StageInputs) -> _Fused
 def _constants(plan: _FusedPlan, stage: StageInputs) -> tuple[dict, tuple]:
     """The compile-time constants of this call's kernel variant, and the variant's key."""
     idx, qsl, pos = stage.idx_mapping, stage.query_start_loc, stage.positions
-    key = (idx.dtype, torch.int64 if qsl is None else qsl.dtype, torch.int64 if pos is None else pos.dtype,
-           stage.is_padding is not None, stage.do_gather, stage.do_slots, stage.cp_size, stage.cp_interleave)  # fmt: skip
+    qsl_dtype = torch.int64 if qsl is None else qsl.dtype
+    pos_dtype = torch.int64 if pos is None else pos.dtype
+    key = (idx.dtype, qsl_dtype, pos_dtype, stage.is_padding is not None, stage.do_gather, stage.do_slots,
+           stage.cp_size, stage.cp_interleave)  # fmt: skip
     found = plan.consts.get(key)
     return variant_constants(plan, key) if found is None else found
 
