@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from multiwrite.backends.triton_kernel import TritonWriter, _get_device, _get_stream, _LentRing
-from multiwrite.backends.triton_stage import APPLY_L, APPLY_W, variant_constants
+from multiwrite.backends.triton_stage import APPLY_L, APPLY_W, _FusedPlan, variant_constants
 
 from multiwrite import capture as _capture
 from multiwrite.capture import refuse_capture
@@ -55,7 +55,8 @@ class DirectStage:
     __slots__ = (
         "writer", "backend", "twriter", "arena", "lender", "ring", "kernel_guard", "config", "plans", "device",
         "cuda", "index", "context", "epoch", "tensors", "max_num_reqs", "max_tokens", "num_groups", "variants",
-        "max_programs",
+        "max_programs", "plan", "batch_tables", "desc", "desc_addr", "sdesc_addr", "slot_addr", "slot_stride",
+        "nb_addr", "nb_stride", "max_slots", "cp_rank", "launcher",
     )  # fmt: skip
 
     def __init__(self, bt: BlockTables, twriter: TritonWriter, epoch: int):
@@ -79,8 +80,23 @@ class DirectStage:
         self.max_tokens = config.max_num_batched_tokens
         self.num_groups = len(config.tables)
         self.max_programs = twriter._max_programs
-        # (idx_mapping, query_start_loc, positions dtypes, has is_padding) -> the kernel variant's (constants, key)
-        self.variants: dict[tuple, tuple[dict, tuple]] = {}
+        # (idx_mapping, query_start_loc, positions dtypes, has is_padding) -> [the kernel variant's constants, its
+        # key, its bound fast launcher or None]
+        self.variants: dict[tuple, list] = {}
+        self.plan = None
+
+    def adopt(self, plan: _FusedPlan) -> None:
+        """Take the fixed kernel arguments from `plan`, the fused plan now cached for these tables."""
+        self.plan = plan
+        self.batch_tables = plan.batch_tables
+        self.desc = plan.desc
+        self.desc_addr, self.sdesc_addr = plan.desc.addr, plan.sdesc_addr
+        self.slot_addr, self.slot_stride = plan.slot_args
+        _, self.nb_addr, self.nb_stride = plan.fixed
+        self.max_slots = plan.slots.shape[1]
+        _, self.cp_rank = plan.rows_args  # (max_num_reqs, cp_rank)
+        self.launcher = plan.launcher
+        self.variants = {}  # constants are cached per plan
 
     def prepare_inputs(
         self,
@@ -124,10 +140,11 @@ class DirectStage:
             and pad.shape[0] >= num_tokens_padded
         ):  # fmt: skip
             return None
-        # The staged batch: in place in the lent ring slot, one round, the tables as the writer last applied them.
+        # The staged batch: in place in the lent ring slot (the arena's lender never changes once attached), one
+        # round, the tables as the writer last applied them, the fused plan cached for them.
         arena = self.arena
         w, v = arena.num_writes, arena.num_values
-        if not v or arena.may_overlap or arena.lender is not self.lender:
+        if not v or arena.may_overlap:
             return None
         fast = self.writer._fast
         if fast is None or fast[1] is not arena or fast[2] != arena.layout_version:
@@ -138,18 +155,20 @@ class DirectStage:
         except RuntimeError:  # an inference tensor tracks no version: the general path compares the layouts
             return None
         plan = self.plans.get(self.twriter)
-        if plan is None or plan.batch_tables is not fast[3]:
+        if plan is not self.plan:
+            if plan is None:
+                return None
+            self.adopt(plan)
+        if fast[3] is not self.batch_tables:
             return None
         key = (idx.dtype, qsl.dtype, pos.dtype, pad is not None)
-        found = self.variants.get(key)
-        if found is None:
+        variant = self.variants.get(key)
+        if variant is None:
             if not (key[0] in _INDEX_DTYPES and key[1] in _INDEX_DTYPES and key[2] in _INDEX_DTYPES):
                 return None
             config = self.config
-            found = self.variants[key] = variant_constants(
-                plan, (*key, True, True, config.cp_size, config.cp_interleave)
-            )
-        consts, variant = found
+            consts, name = variant_constants(plan, (*key, True, True, config.cp_size, config.cp_interleave))
+            variant = self.variants[key] = [consts, name, None]
         # The launch: `triton_stage.launch_fused`'s in-place case.
         tiles = (w + APPLY_W - 1) // APPLY_W or 1
         splits = 1 if v <= 256 else max(1, min((v + APPLY_L - 1) // APPLY_L, 64, self.max_programs // tiles))
@@ -158,24 +177,24 @@ class DirectStage:
         slot = ring.slots[i]
         token = ring.tokens[i] % 0x7FFFFFFF + 1  # `_Ring.next_token`
         ring.tokens[i] = token
-        desc = plan.desc
-        slot.desc = desc  # alive until this launch is seen finished (the slot's next take)
-        fallback, slot_stride = plan.slot_args  # an empty input's address 0 would read as an int32: see launch_fused
-        num_groups, nb_addr, nb_stride = plan.fixed
+        slot.desc = self.desc  # alive until this launch is seen finished (the slot's next take)
+        fallback = self.slot_addr  # an empty input's address 0 would read as an int32: see launch_fused
         args = (
-            desc.addr, plan.sdesc_addr, slot.meta_addr, slot.values_addr, slot.bounds_addr, ring.counter_addr[i],
-            ring.done_addr[i], token, w, v, 1, tiles, tiles * splits, num_groups, nb_addr, nb_stride,
-            idx.data_ptr() or fallback, qsl.data_ptr() or fallback, pos.data_ptr() or fallback,
-            fallback if pad is None else pad.data_ptr() or fallback, fallback, slot_stride,
-            n, num_reqs_padded, plan.slots.shape[1], pos.shape[0], *plan.rows_args,
+            self.desc_addr, self.sdesc_addr, slot.meta_addr, slot.values_addr, slot.bounds_addr,
+            ring.counter_addr[i], ring.done_addr[i], token, w, v, 1, tiles, tiles * splits, self.num_groups,
+            self.nb_addr, self.nb_stride, idx.data_ptr() or fallback, qsl.data_ptr() or fallback,
+            pos.data_ptr() or fallback, fallback if pad is None else pad.data_ptr() or fallback, fallback,
+            self.slot_stride, n, num_reqs_padded, self.max_slots, pos.shape[0], self.max_num_reqs, self.cp_rank,
         )  # fmt: skip
-        grid0 = tiles * splits + num_groups * (num_reqs_padded + 1)
-        launcher = plan.launcher
+        grid0 = tiles * splits + self.num_groups * (num_reqs_padded + 1)
         try:
-            fire = launcher.fire.get(variant)
-            if fire is None:  # the first launch of this variant (JIT, binds the fast launcher), or the interpreter
-                launcher.launch(grid0, args, consts, variant)
-            else:
+            fire = variant[2]
+            if fire is None:
+                launcher = self.launcher
+                fire = variant[2] = launcher.fire.get(variant[1])  # bound after the variant's first (JIT) launch
+                if fire is None:  # that first launch, or the interpreter
+                    launcher.launch(grid0, args, variant[0], variant[1])
+            if fire is not None:
                 index = self.index
                 if index == _get_device():
                     fire(grid0, 1, _get_stream(index), args)
