@@ -175,6 +175,16 @@ class _TritonBackend(Backend):
         self.apply(batches)
         stage_module.launch_stage(stage)
 
+    def bind_direct_stage(self, bt, epoch: int):
+        """The direct path of `bt.prepare_inputs` on this backend (`multiwrite/backends/triton_direct.py`):
+        a callable taking `prepare_inputs`' arguments that returns its result, or None having done nothing
+        when the call is not the common eager decode case; None instead of the callable while `bt` is not ready
+        for it yet (called again after a later general call). `epoch` is the index of the overlap epoch in
+        `bt._context_view`. Holds no reference to `bt`."""
+        from multiwrite.backends import triton_direct
+
+        return triton_direct.bind(bt, self.writer(bt.device), epoch)
+
 
 def _stage_module():
     """`multiwrite.backends.triton_stage`, imported on first use (it compiles nothing until then)."""

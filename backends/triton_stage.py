@@ -642,11 +642,19 @@ def _constants(plan: _FusedPlan, stage: StageInputs) -> tuple[dict, tuple]:
     key = (idx.dtype, qsl_dtype, pos_dtype, stage.is_padding is not None, stage.do_gather, stage.do_slots,
            stage.cp_size, stage.cp_interleave)  # fmt: skip
     found = plan.consts.get(key)
+    return variant_constants(plan, key) if found is None else found
+
+
+def variant_constants(plan: _FusedPlan, key: tuple) -> tuple[dict, tuple]:
+    """`(constants, key)` of the fused kernel's variant `key` = (idx_mapping dtype, query_start_loc dtype,
+    positions dtype, has is_padding, do_gather, do_slots, cp_size, cp_interleave), cached in `plan.consts`."""
+    found = plan.consts.get(key)
     if found is None:
+        idx_dtype, qsl_dtype, pos_dtype, has_padding, do_gather, do_slots, cp_size, cp_interleave = key
         consts = {
-            "IDX_DTYPE": TL_INDEX[idx.dtype], "QSL_DTYPE": TL_INDEX[qsl_dtype], "POS_DTYPE": TL_INDEX[pos_dtype],
-            "CP_SIZE": stage.cp_size, "CP_INTERLEAVE": stage.cp_interleave, "HAS_PADDING": key[3],
-            "DO_GATHER": stage.do_gather, "DO_SLOTS": stage.do_slots, "BLOCK": BLOCK, "BLOCK_W": APPLY_W,
+            "IDX_DTYPE": TL_INDEX[idx_dtype], "QSL_DTYPE": TL_INDEX[qsl_dtype], "POS_DTYPE": TL_INDEX[pos_dtype],
+            "CP_SIZE": cp_size, "CP_INTERLEAVE": cp_interleave, "HAS_PADDING": has_padding,
+            "DO_GATHER": do_gather, "DO_SLOTS": do_slots, "BLOCK": BLOCK, "BLOCK_W": APPLY_W,
             "BLOCK_L": APPLY_L, "SCAN": SCAN_W, "MAX_R": MAX_ROUNDS,
         }  # fmt: skip
         found = plan.consts[key] = (consts, tuple(consts.values()))

@@ -211,6 +211,8 @@ class BlockTables:
         ]
         self.cuda_graphs = bool(cuda_graphs)
         self._graph = None
+        # The direct path of an eager prepare_inputs (`_bind_direct`): None until bound, False where there is none.
+        self._direct: Callable | bool | None = None
         if self.cuda_graphs:
             self._graph = self.backend.graph_stage([t._table for t in self._arena.targets], self._arena)
             if self._graph is None:
@@ -775,6 +777,23 @@ class BlockTables:
             GraphCaptureError: called during CUDA graph capture on tables without `cuda_graphs=True`.
             And the errors of `apply_staged_writes`.
         """
-        return _stage.prepare_inputs(
+        direct = self._direct
+        if direct:  # the backend's direct path for the common eager step; None: not that case, nothing done
+            out = direct(idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding)
+            if out is not None:
+                return out
+        out = _stage.prepare_inputs(
             self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding
         )
+        if direct is None:
+            self._direct = self._bind_direct()
+        return out
+
+    def _bind_direct(self) -> Callable | bool | None:
+        """The backend's direct path of an eager `prepare_inputs` (`Backend`-optional `bind_direct_stage`, see
+        `multiwrite/backends/triton_direct.py`): a callable, None while the backend cannot bind it yet (asked again
+        after the next general call), or False when there is none (another backend, graph mode)."""
+        bind = getattr(self.backend, "bind_direct_stage", None)
+        if bind is None or self._graph is not None:
+            return False
+        return bind(self, _CTX_EPOCH)

@@ -135,9 +135,7 @@ class StageInputs:
         config = self._config
         if self.input_block_tables is config.input_block_tables:
             views = config.gathered_views.get(n)
-            if views is None:
-                views = config.gathered_views[n] = tuple(t[:n] for t in self.input_block_tables)
-            return views
+            return gathered_views(config, n) if views is None else views
         return tuple(t[:n] for t in self.input_block_tables)
 
     def slots(self) -> torch.Tensor:
@@ -148,16 +146,32 @@ class StageInputs:
         config = self._config
         if out is config.slot_mappings:
             view = config.slot_views.get(n)
-            if view is None:
-                if len(config.slot_views) >= _VIEW_CACHE:
-                    config.slot_views.clear()
-                view = config.slot_views[n] = out[:, :n]
-            return view
+            return slot_view(config, n) if view is None else view
         return out[:, :n]
 
 
 #: Most `slot_mappings` views `StageInputs.slots` keeps (one per distinct `num_tokens_padded`).
 _VIEW_CACHE = 1024
+
+
+def gathered_views(config: _StageConfig, n: int) -> tuple[torch.Tensor, ...]:
+    """`input_block_tables[g][:n]` of every group, made once per `n` and kept in `config.gathered_views`."""
+    views = config.gathered_views.get(n)
+    if views is None:
+        views = config.gathered_views[n] = tuple(t[:n] for t in config.input_block_tables)
+    return views
+
+
+def slot_view(config: _StageConfig, n: int) -> torch.Tensor:
+    """`slot_mappings[:, :n]`, made once per `n` and kept in `config.slot_views` (at most `_VIEW_CACHE` sizes)."""
+    views = config.slot_views
+    view = views.get(n)
+    if view is None:
+        assert config.slot_mappings is not None
+        if len(views) >= _VIEW_CACHE:
+            views.clear()
+        view = views[n] = config.slot_mappings[:, :n]
+    return view
 
 
 class _StageConfig:

@@ -204,16 +204,7 @@ class FusedStagedWriter:
                 self._stage = None  # exactly one backend call takes the stage
                 self.backend.prepare_inputs(batches, stage)
         except Exception as exc:
-            names = tuple(dict.fromkeys(t.name for t in tensors))
-            writes = sum(b.num_writes for b in batches)
-            raise BackendError(
-                f"backend {self.backend.NAME!r} ({type(self.backend).__module__}.{type(self.backend).__qualname__}) "
-                f"failed applying {writes} staged writes to {', '.join(names)} on {self.device}: "
-                f"{type(exc).__name__}: {exc}. The tables may hold part of the writes; every staged write is "
-                "still staged, and applying again lands them all",
-                self.backend,
-                names,
-            ) from exc
+            raise backend_error(self.backend, self.device, tensors, sum(b.num_writes for b in batches), exc) from exc
 
     def forget(self) -> None:
         """Drop the references the repeat fast path keeps to the tables of the last apply."""
@@ -221,6 +212,23 @@ class FusedStagedWriter:
 
     def __repr__(self) -> str:
         return f"FusedStagedWriter(device={self.device}, backend={self.backend.NAME!r})"
+
+
+def backend_error(
+    backend: Backend, device: torch.device, tensors: Iterable[StagedWriteTensor], writes: int, exc: Exception
+) -> BackendError:
+    """The `BackendError` of a failed backend call applying `writes` staged writes to `tensors` on `device`:
+    names the backend (name and class), the tables (in argument order, each once) and `exc`, and says that every
+    staged write is still staged. The caller raises it `from exc`."""
+    names = tuple(dict.fromkeys(t.name for t in tensors))
+    return BackendError(
+        f"backend {backend.NAME!r} ({type(backend).__module__}.{type(backend).__qualname__}) "
+        f"failed applying {writes} staged writes to {', '.join(names)} on {device}: "
+        f"{type(exc).__name__}: {exc}. The tables may hold part of the writes; every staged write is "
+        "still staged, and applying again lands them all",
+        backend,
+        names,
+    )
 
 
 def apply_writes(*tables: StagedWriteTensor) -> None:

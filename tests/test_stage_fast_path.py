@@ -9,6 +9,10 @@ general path gives, and step aside for anything it does not handle.
   the batch list the writer hands over again.
 - The writer's `_stage` hand-off: the one backend call of the apply is `prepare_inputs`, and the hand-off is
   cleared whatever happens.
+- The direct path of an eager step on the Triton backends (`backends/triton_direct.py`): equal to the general path
+  over a trace, and every guarantee kept: capture refused first, a failed launch a `BackendError` with every write
+  still staged and its ring slot free, tables resized in place refused, a new batch epoch after each step; and it
+  steps aside for overlapping writes, empty batches and host inputs.
 """
 
 from __future__ import annotations
@@ -192,3 +196,251 @@ def test_fused_plan_is_reused_only_for_the_pristine_stage_and_the_same_batch():
     assert bt._stage_config.plans[writer] is not mine  # a one-off: not cached
     # The tables it gives are the reference's: both steps' writes and the gather of the second step.
     assert bt.input_block_tables[0][:2, :2].tolist() == [[5, 0], [1, 2]]
+
+
+# -------------------------------------------------------------------------------------------------
+# the direct path of an eager prepare_inputs (backends/triton_direct.py)
+# -------------------------------------------------------------------------------------------------
+needs_interpreter = pytest.mark.skipif(
+    triton_stage is None or not triton_stage.INTERPRETED, reason="triton-cuda on CPU tables: interpreter only"
+)
+
+
+def gpu_tables(direct: bool = True, **kw) -> BlockTables:
+    """Triton-cuda tables on the CPU, told they are on a GPU (device inputs: the case the direct path serves);
+    `direct=False` keeps them on the general path."""
+    bt = BlockTables([16, 32], 6, [4, 4], "cpu", [16, 16], backend="triton-cuda", max_num_batched_tokens=32, **kw)
+    bt._stage_config.gpu = True
+    if not direct:
+        bt._direct = False
+    return bt
+
+
+class GeneralCalls:
+    """Counts the calls that took the general path (`multiwrite.stage.prepare_inputs`)."""
+
+    def __init__(self, monkeypatch):
+        import multiwrite.stage as stage_module
+
+        self.count = 0
+        real = stage_module.prepare_inputs
+
+        def counted(*args, **kw):
+            self.count += 1
+            return real(*args, **kw)
+
+        monkeypatch.setattr(stage_module, "prepare_inputs", counted)
+
+
+def warm(bt: BlockTables) -> None:
+    """Two general steps: the first attaches the lent ring, the second binds the direct path."""
+    idx, nrp, qsl, pos, ntp, _ = inputs()
+    for req in (2, 4):
+        bt.append_block_ids(req, ([1 + req], [2 + req]), overwrite=True)
+        bt.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    assert callable(bt._direct) or bt._direct is False
+
+
+def snapshot(bt: BlockTables, out) -> list[np.ndarray]:
+    """Every table, device and host `num_blocks`, the gathered rows and slot mappings returned, as arrays."""
+    gathered, slots = out
+    arrays = [t.tensor.numpy() for t in bt.block_tables] + [bt.num_blocks_device.numpy(), bt.num_blocks]
+    return [a.copy() for a in arrays + [g.numpy() for g in gathered] + [slots.numpy()]]
+
+
+def _trace(seed: int, steps: int):
+    """Random steps of staging and stage inputs: new requests, appends, a row staged twice (overlap: the direct
+    path steps aside), steps with nothing staged, padding masks, int32 and int64 inputs, chunked prefill."""
+    rng = np.random.default_rng(seed)
+    held = np.zeros((2, 6), dtype=np.int64)  # manager blocks held per group and row
+    caps = (4, 4)
+    for step in range(steps):
+        calls = []
+        for _ in range(int(rng.integers(0, 3))):
+            req = int(rng.integers(0, 6))
+            new = bool(rng.random() < 0.4) or held[:, req].min() == 0
+            ids = []
+            for g in range(2):
+                room = caps[g] - (0 if new else held[g, req])
+                n = int(rng.integers(0 if not new else 1, min(2, room) + 1)) if room > 0 else 0
+                ids.append([int(x) for x in rng.integers(0, 50, n)])
+                held[g, req] = (0 if new else held[g, req]) + n
+            calls.append((req, ids, new))
+        live = [r for r in range(6) if held[:, r].min() > 0]
+        rows = [int(r) for r in rng.permutation(live)[: int(rng.integers(0, len(live) + 1))]]
+        qsl, pos = [0], []
+        for _ in rows:
+            k = int(rng.integers(1, 3))  # one decode token, or a chunk of two
+            pos += [int(x) for x in rng.integers(0, 64, k)]
+            qsl.append(qsl[-1] + k)
+        dt = (I32, I64)[step % 2]
+        ntp = min(len(pos) + int(rng.integers(0, 4)), 32)
+        pad = None
+        if step % 3 == 1:
+            pad = torch.from_numpy(rng.random(ntp + 1) < 0.3)
+        yield calls, (torch.tensor(rows, dtype=dt), torch.tensor(qsl, dtype=I64 if step % 4 else I32),
+                      torch.tensor(pos, dtype=dt), min(len(rows) + int(rng.integers(0, 2)), 6), ntp, pad)  # fmt: skip
+
+
+@needs_interpreter
+def test_direct_path_equals_the_general_path_over_a_trace(monkeypatch):
+    direct, general = gpu_tables(), gpu_tables(direct=False)
+    calls = GeneralCalls(monkeypatch)
+    steps = 0
+    for step_calls, args in _trace(3, 24):
+        for req, ids, new in step_calls:
+            direct.append_block_ids(req, ids, new)
+            general.append_block_ids(req, ids, new)
+        a, b = snapshot(direct, direct.prepare_inputs(*args)), snapshot(general, general.prepare_inputs(*args))
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+        steps += 1
+    assert callable(direct._direct)
+    direct_steps = 2 * steps - calls.count  # every call of `general` counts; those of `direct` that stepped aside
+    assert direct_steps >= steps // 2, f"the direct path served only {direct_steps} of {steps} steps"
+
+
+@needs_interpreter
+def test_direct_path_failed_launch_keeps_every_write_staged_and_a_retry_lands_them(monkeypatch):
+    from multiwrite.errors import BackendError
+
+    bt, ref = gpu_tables(), gpu_tables(direct=False)
+    for t in (bt, ref):
+        warm(t)
+        t.append_block_ids(1, ([7, 8], [9]), overwrite=True)
+        t.append_block_ids(3, ([10], []), overwrite=True)
+    calls = GeneralCalls(monkeypatch)
+    staged, host_counts = bt._arena.num_writes, bt.num_blocks.copy()
+    ring, slot = bt._arena.lender.ring, bt._arena.lender.current
+    real = triton_stage._FusedLauncher.launch
+
+    def broken(self, *args):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(triton_stage._FusedLauncher, "launch", broken)
+    idx, nrp, qsl, pos, ntp, _ = inputs()
+    with pytest.raises(BackendError, match=r"'triton-cuda'.*group 0, group 1, num_blocks.*launch failed") as err:
+        bt.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    assert calls.count == 0  # the direct path raised it
+    assert err.value.tables == ("group 0", "group 1", "num_blocks") and err.value.backend is bt.backend
+    assert bt._arena.num_writes == staged and bt.block_tables[0].num_staged_writes == 2
+    np.testing.assert_array_equal(bt.num_blocks, host_counts)
+    assert ring.done_mv[slot] == ring.tokens[slot]  # the slot is free again
+    monkeypatch.setattr(triton_stage._FusedLauncher, "launch", real)
+    a, b = bt.prepare_inputs(idx, qsl, pos, nrp, ntp), ref.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    for x, y in zip(snapshot(bt, a), snapshot(ref, b)):
+        np.testing.assert_array_equal(x, y)
+    assert bt._arena.num_writes == 0
+    np.testing.assert_array_equal(bt.num_blocks_device.numpy(), bt.num_blocks)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("change", ["resize_", "set_", "set_ group 1"])
+def test_direct_path_refuses_tables_resized_in_place(monkeypatch, change):
+    bt = gpu_tables()
+    warm(bt)
+    bt.append_block_ids(1, ([7], [9]), overwrite=True)
+    if change == "resize_":
+        bt.block_tables[0].tensor.resize_(3, 4)
+    elif change == "set_":
+        bt.block_tables[0].tensor.set_(torch.zeros(6, 4, dtype=I32))
+    else:
+        bt.block_tables[1].tensor.set_(torch.zeros(6, 8, dtype=I32))
+    idx, nrp, qsl, pos, ntp, _ = inputs()
+    with pytest.raises(StagedWriteError, match="resized in place"):
+        bt.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    assert bt._arena.num_writes == 3  # the two group writes and the counts row stay staged
+
+
+@needs_interpreter
+def test_direct_path_takes_tables_written_in_place_by_torch(monkeypatch):
+    """A torch op writing a table in place (same layout) is accepted, as by the general path, and seen."""
+    bt, ref = gpu_tables(), gpu_tables(direct=False)
+    idx, nrp, qsl, pos, ntp, _ = inputs()
+    for t in (bt, ref):
+        warm(t)
+        t.block_tables[1].tensor[4].fill_(3)
+        t.append_block_ids(2, ([11], []), overwrite=False)
+    a, b = bt.prepare_inputs(idx, qsl, pos, nrp, ntp), ref.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    for x, y in zip(snapshot(bt, a), snapshot(ref, b)):
+        np.testing.assert_array_equal(x, y)
+
+
+@needs_interpreter
+def test_direct_path_starts_a_new_batch_epoch(monkeypatch):
+    """After a direct step, clearing a later batch restores `num_blocks` of that batch's rows only: the rows the
+    direct step applied keep their applied counts (host equals device)."""
+    bt = gpu_tables()
+    warm(bt)
+    calls = GeneralCalls(monkeypatch)
+    bt.append_block_ids(1, ([7, 8], [9]), overwrite=True)
+    idx, nrp, qsl, pos, ntp, _ = inputs()
+    bt.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    bt.append_block_ids(1, ([12], []), overwrite=False)  # the same row again, in a new batch: no overlap
+    assert not bt._arena.may_overlap
+    bt.append_block_ids(5, ([13], [14]), overwrite=True)
+    bt.clear_staged_writes()
+    assert calls.count == 0
+    np.testing.assert_array_equal(bt.num_blocks, bt.num_blocks_device.numpy())
+
+
+@needs_interpreter
+def test_direct_path_refuses_a_capture_before_doing_anything(monkeypatch):
+    """A capturing stream: `GraphCaptureError` before anything is launched or dropped (the capture probe is
+    faked: CPU tables told they are CUDA tables of device 0)."""
+    import multiwrite.capture as capture
+    from multiwrite.errors import GraphCaptureError
+
+    bt = gpu_tables()
+    warm(bt)
+    direct = bt._direct.__self__
+    monkeypatch.setattr(direct, "cuda", True)
+    monkeypatch.setattr(direct, "index", 0)
+    monkeypatch.setitem(capture._CUDA_INDEX, bt.device, 0)
+    monkeypatch.setattr(capture, "_get_device", lambda: 0)
+    monkeypatch.setattr(capture, "_is_capturing", lambda: True)
+    launched = []
+    monkeypatch.setattr(triton_stage._FusedLauncher, "launch", lambda *a: launched.append(a))
+    bt.append_block_ids(1, ([7], [9]), overwrite=True)
+    idx, nrp, qsl, pos, ntp, _ = inputs()
+    with pytest.raises(GraphCaptureError, match="BlockTables.prepare_inputs"):
+        bt.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    assert not launched and bt._arena.num_writes == 3
+
+
+def test_direct_path_is_bound_only_for_eager_triton_tables():
+    bt = tables()
+    idx, nrp, qsl, pos, ntp, _ = inputs()
+    bt.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    assert bt._direct is False  # torch-cpu has none
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", ["overlap", "nothing staged", "host inputs"])
+def test_direct_path_steps_aside_for_what_it_does_not_serve(monkeypatch, case):
+    """Overlapping writes (a row staged twice: applied in rounds, which only the general path orders), a step
+    with nothing staged, host (non-device) inputs, and anything else it does not check itself go through the
+    general path, with the general path's results."""
+    bt, ref = gpu_tables(), gpu_tables(direct=False)
+    idx, nrp, qsl, pos, ntp, _ = inputs()
+    for t in (bt, ref):
+        warm(t)
+        if case == "overlap":
+            t.append_block_ids(2, ([20], [21]), overwrite=False)
+            t.append_block_ids(2, ([22], []), overwrite=False)
+        elif case != "nothing staged":
+            t.append_block_ids(2, ([20], [21]), overwrite=False)
+    if case == "overlap":
+        assert bt._arena.may_overlap
+    if case == "host inputs":
+        idx = idx.numpy()
+    calls = GeneralCalls(monkeypatch)
+    if case == "host inputs":
+        with pytest.raises(StageInputError):
+            bt.prepare_inputs(idx, qsl, pos, nrp, ntp)  # refused by the general path's full check
+        assert calls.count == 1 and bt._arena.num_writes == 3
+        return
+    a, b = bt.prepare_inputs(idx, qsl, pos, nrp, ntp), ref.prepare_inputs(idx, qsl, pos, nrp, ntp)
+    assert calls.count == 2  # both took the general path
+    for x, y in zip(snapshot(bt, a), snapshot(ref, b)):
+        np.testing.assert_array_equal(x, y)

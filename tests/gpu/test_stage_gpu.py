@@ -85,3 +85,29 @@ def test_capture_is_refused_and_applies_nothing():
     assert bt[0].num_staged_writes == 1
     gathered, slots = bt.prepare_inputs(idx, qsl, pos, 1, 1)
     assert gathered[0][0, 0].item() == 3 and slots[0, 0].item() == 48
+
+
+def test_the_direct_path_serves_eager_decode_steps_and_refuses_a_capture_first():
+    """Eager steps with device inputs bind the direct path (backends/triton_direct.py) and it lands each step's
+    writes; a capture is then refused before anything is launched or dropped, and the next eager step lands the
+    writes the refused call kept staged."""
+    bt = BlockTables([16, 32], 4, [4, 4], "cuda", [16, 16], max_num_batched_tokens=8)
+    idx = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([0, 0], dtype=torch.int64, device="cuda")
+    for step in range(4):
+        bt.append_block_ids(step % 2, ([10 + step], [20 + step]), overwrite=True)
+        gathered, slots = bt.prepare_inputs(idx, qsl, pos, 2, 2)
+    assert callable(bt._direct)
+    assert gathered[0][:, 0].tolist() == [13, 12] and slots[0].tolist() == [13 * 16, 12 * 16]
+    bt.append_block_ids(0, ([7, 8], [9]), overwrite=True)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(GraphCaptureError, match="BlockTables.prepare_inputs"):
+        with torch.cuda.graph(graph):
+            bt.prepare_inputs(idx, qsl, pos, 2, 2)
+    assert bt._arena.num_writes == 3
+    pos = torch.tensor([0, 16], dtype=torch.int64, device="cuda")  # entry 1 (row 0) now reads its second block
+    gathered, slots = bt.prepare_inputs(idx, qsl, pos, 2, 2)
+    torch.cuda.synchronize()
+    assert gathered[0][1, :2].tolist() == [7, 8] and slots[0].tolist() == [13 * 16, 8 * 16]
+    assert bt.num_blocks_device.cpu().tolist() == bt.num_blocks.tolist()
