@@ -9,7 +9,10 @@ Statistics are over the decode steps (every scheduled request computes one token
 step runs through every design, prefill chunks included, so the tables evolve as in serving.
 
 The step's inputs (`idx_mapping`, `query_start_loc`, `positions`) are written into persistent device buffers
-before the timed region, as an engine's input buffers are; no padding rows or tokens.
+before the timed region, as an engine's input buffers are; no padding rows or tokens. The step's
+`append_block_ids` arguments are built afresh right before each design's timed region (`_Runner.prepare`), as an
+engine's model runner receives them (vLLM's worker deserializes the scheduler output of the step), not reused
+from the schedule built at the start of the run, whose objects sit cold in memory by then.
 
 Designs (`STAGE_VARIANTS`):
 - `ours`: `BlockTables.prepare_inputs` (on `triton-cuda`/`triton-rocm`: apply, gather and slot mappings in ONE
@@ -97,8 +100,11 @@ class _Runner:
                               max_num_batched_tokens=max_tokens)  # fmt: skip
         self._append = self.bt.append_block_ids
 
-    def prepare(self, calls) -> None:
-        """Untimed work before the step's staging (the batched designs' lists)."""
+    def prepare(self, calls):
+        """Untimed, right before the step's staging: the step's calls as an engine's model runner receives them,
+        freshly built (the scheduler output of this step, deserialized in the worker process in vLLM), not the
+        objects the schedule built at the start of the run; returns what `stage` takes."""
+        return [(req, [list(g) for g in ids], overwrite) for req, ids, overwrite in calls]
 
     def stage(self, calls) -> None:
         append = self._append
@@ -131,11 +137,11 @@ class _Batched:
 
     bt: BlockTables
 
-    def prepare(self, calls) -> None:
-        self._lists = ([c[0] for c in calls], [c[1] for c in calls], [c[2] for c in calls])
+    def prepare(self, calls):
+        return [c[0] for c in calls], [[list(g) for g in c[1]] for c in calls], [c[2] for c in calls]
 
-    def stage(self, calls) -> None:
-        self.bt.append_block_ids_batch(*self._lists)
+    def stage(self, lists) -> None:
+        self.bt.append_block_ids_batch(*lists)
 
 
 class OursBatched(_Batched, Ours):
@@ -319,9 +325,9 @@ def measure_stage(
                 synchronize(device)
                 timed = i in measured
                 for r in orders[i % len(orders)]:
-                    r.prepare(step.calls)
+                    calls = r.prepare(step.calls)
                     t0 = clock()
-                    r.stage(step.calls)
+                    r.stage(calls)
                     r.run(x)
                     t1 = clock()
                     r.after(x)
