@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from multiwrite.backends.triton_kernel import TritonWriter, _get_device, _get_stream, _LentRing
+from multiwrite.backends.triton_kernel import TritonWriter, _LentRing, fire_on
 from multiwrite.backends.triton_stage import APPLY_L, APPLY_W, _FusedPlan, variant_constants
 
 from multiwrite import capture as _capture
@@ -195,12 +195,7 @@ class DirectStage:
                 if fire is None:  # that first launch, or the interpreter
                     launcher.launch(grid0, args, variant[0], variant[1])
             if fire is not None:
-                index = self.index
-                if index == _get_device():
-                    fire(grid0, 1, _get_stream(index), args)
-                else:
-                    with torch.cuda.device(index):
-                        fire(grid0, 1, _get_stream(index), args)
+                fire_on(fire, self.index, grid0, 1, args)
             if not self.kernel_guard:
                 ring.launched(i)
         except Exception as exc:

@@ -244,6 +244,16 @@ _get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", lambda: 0)
 _get_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
 
 
+def fire_on(fire: Callable, index: int, grid0: int, grid1: int, args: tuple) -> None:
+    """`fire(grid0, grid1, stream, args)` (a bound fast launcher) on the current stream of GPU `index`, making
+    that GPU current for the call when it is not (a launch goes to the current device's context)."""
+    if index == _get_device():
+        fire(grid0, grid1, _get_stream(index), args)
+    else:
+        with torch.cuda.device(index):
+            fire(grid0, grid1, _get_stream(index), args)
+
+
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -749,11 +759,8 @@ class TritonWriter:
             try:
                 if fire is None:
                     self._launch_jit(tables[0].dtype, variant, grid0, grid1, args)
-                elif self._index == _get_device():
-                    fire(grid0, grid1, _get_stream(self._index), args)
                 else:
-                    with torch.cuda.device(self._index):
-                        fire(grid0, grid1, _get_stream(self._index), args)
+                    fire_on(fire, self._index, grid0, grid1, args)
                 ring.launched(i)
             except BaseException:
                 ring.done_mv[i] = token  # nothing was launched: the slot is free

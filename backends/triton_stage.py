@@ -29,10 +29,9 @@ from multiwrite.backends.triton_kernel import (
     _SIZE,
     _STRIDE,
     TritonWriter,
-    _get_device,
-    _get_stream,
     _LentRing,
     bind_fast_launcher,
+    fire_on,
     overlap_rounds,
 )
 
@@ -515,12 +514,7 @@ class _FusedLauncher:
         fire = self.fire.get(key)
         writer = self.writer
         if fire is not None:
-            index = writer._index
-            if index == _get_device():
-                fire(grid0, 1, _get_stream(index), args)
-            else:
-                with torch.cuda.device(index):
-                    fire(grid0, 1, _get_stream(index), args)
+            fire_on(fire, writer._index, grid0, 1, args)
             return
         if not writer.is_gpu:
             with _INTERPRETER_LOCK:  # the interpreter keeps the program ids in global state

@@ -321,11 +321,13 @@ def test_stage_goal_lines_judge_graph_mode_against_half_an_empty_launch():
     assert "GPU graph-mode (staging + commit_staged_writes per step; the replay not counted) at C=40 G3 = 0.60 " in (
         "\n".join(lines)
     )
-    assert "(ours: prepare_inputs, staging included) at C=40 G3 = 1.50 empty launches; goal <= 2: met" in lines[0]
-    assert lines[1] == "GPU stage (ours) at C=256 G3 <= 2 empty launches: not in this run"
-    assert "(ours-batched: prepare_inputs, staging included) at C=256 G3 = 2.50 empty launches; goal <= 2: missed by " \
-        "1.2x" in lines[3]
+    assert lines[0] == "GPU ours (prepare_inputs, staging included) at C=40 G3 = 1.50 empty launches; goal <= 2: met"
+    assert lines[1] == "GPU ours at C=256 G3 <= 2 empty launches: not in this run"
+    assert lines[3] == (
+        "GPU ours-batched (prepare_inputs, staging included) at C=256 G3 = 2.50 empty launches; goal <= 2: "
+        "missed by 1.2x"
+    )
     r.rows.pop(3)
     assert stage_goal_lines(r, gpu=True, interpreted=False)[-1] == (
-        "GPU graph-mode-batched at C=256 G3 <= 0.5 empty launch: not in this run"
+        "GPU graph-mode-batched at C=256 G3 <= 0.5 empty launches: not in this run"
     )
