@@ -413,3 +413,17 @@ def test_a_batch_whose_lists_change_while_staging_stages_what_the_method_stages(
     for got, want in zip(*results):
         np.testing.assert_array_equal(got, want)
     assert results[0][3][:, :4].T.tolist() == [[1, 2, 1], [1, 2, 1], [0, 0, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_rejected_call_leaves_no_stamp_that_would_mark_the_next_call_overlapping(compiled, monkeypatch):
+    # Group 0's ids are fine, group 1's id is negative: the call is refused after group 0 was looked at. Its
+    # (table, row) stamps must not survive, or the next (valid) call on that row reads as an overlap, which sends
+    # the apply into rounds, the graph commit to Python and the direct prepare_inputs to the general path.
+    bt = _tables() if compiled else _python_tables(monkeypatch)
+    stamps = bt._stamps.copy()
+    with pytest.raises(StagedWriteError, match="block id -1 is negative"):
+        bt.append_block_ids(1, [[5], [-1], [6]], True)
+    np.testing.assert_array_equal(bt._stamps, stamps)
+    bt.append_block_ids(1, [[5], [7], [6]], True)
+    assert bt._arena.may_overlap is False
