@@ -288,6 +288,19 @@ class BlockTables:
         """Device of the tables."""
         return self._writer.device
 
+    def __reduce_ex__(self, protocol: object) -> object:
+        """Refused (`copy.copy`, `copy.deepcopy`, `pickle`): the tables own device memory and pinned staging slots,
+        and the compiled `append_block_ids` is bound to this object; a copy would stage into this object's arena
+        (or fail once it is gone). Build a new `BlockTables` instead.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(
+            "a BlockTables cannot be copied or pickled: it owns its device tables, pinned staging memory and a "
+            "staging callable bound to it; build a new BlockTables with the same arguments instead"
+        )
+
     def __getitem__(self, group: int) -> StagedWriteTensor:
         """Group `group`'s `StagedWriteTensor`."""
         return self.block_tables[group]

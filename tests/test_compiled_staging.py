@@ -427,3 +427,19 @@ def test_a_rejected_call_leaves_no_stamp_that_would_mark_the_next_call_overlappi
     np.testing.assert_array_equal(bt._stamps, stamps)
     bt.append_block_ids(1, [[5], [7], [6]], True)
     assert bt._arena.may_overlap is False
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_block_tables_refuses_to_be_copied_or_pickled(how):
+    # A copy would share (shallow) or duplicate (deep) the device tables, the pinned staging slots and the compiled
+    # staging callable, which stays bound to the original: the copy would stage into the original's arena, and
+    # raise ReferenceError once the original is gone. Refused with a clear error instead.
+    import copy
+    import pickle
+
+    bt = _tables()
+    bt.append_block_ids(1, [[1], [2], [3]], True)
+    do = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    with pytest.raises(TypeError, match="BlockTables cannot be copied or pickled"):
+        do(bt)
+    assert bt._arena.num_writes == 4
