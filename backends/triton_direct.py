@@ -128,6 +128,7 @@ class DirectStage:
         if not (
             len(shape) == 1 and qsl.dim() == 1 and pos.dim() == 1
             and idx.device == device and qsl.device == device and pos.device == device
+            and idx.is_contiguous() and qsl.is_contiguous() and pos.is_contiguous()  # (the kernel reads stride 1)
         ):  # fmt: skip
             return None
         n = shape[0]
@@ -137,7 +138,7 @@ class DirectStage:
             return None
         if pad is not None and not (
             pad.__class__ is _T and pad.dtype is _BOOL and pad.device == device and pad.dim() == 1
-            and pad.shape[0] >= num_tokens_padded
+            and pad.shape[0] >= num_tokens_padded and pad.is_contiguous()
         ):  # fmt: skip
             return None
         # The staged batch: in place in the lent ring slot (the arena's lender never changes once attached), one

@@ -68,7 +68,7 @@ static PyObject *clock_owner = NULL;
 
 static PyObject *s_runs, *s_rows_seen, *s_meta, *s_values, *s_meta_bytes, *s_values_flat, *s_ring, *s_current,
     *s_next, *s_slots, *s_lent, *s_tokens, *s_done_addr, *s_depth, *s_kernel_guard, *s_reserve, *s_published,
-    *s_lender, *s_headers_addr, *s_mirror_addr, *s_bounds_addr, *s_k_req, *s_k_ids, *s_k_overwrite;
+    *s_lender, *s_headers_addr, *s_mirror_addr, *s_bounds_addr, *s_k_req, *s_k_reqs, *s_k_ids, *s_k_overwrite;
 
 /* The next write of `arena` (at write index `arena->num_writes`) starts a run: staging.StagingArena.begin_run. */
 static int begin_run(ArenaFields *arena) {
@@ -272,9 +272,9 @@ typedef struct {
     PyObject *slow_batch; /* BlockTables.append_block_ids_batch, the Python method */
 } Stager;
 
-/* The Python method with the caller's arguments exactly as given: it checks them and raises the precise
- * error, or stages what the compiled path declined. */
-static PyObject *stager_slow(Stager *self, PyObject *slow, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+/* The BlockTables, new reference; NULL with ReferenceError once it is gone (the context's addresses point into
+ * its arrays, freed with it: nothing may be staged then). */
+static PyObject *stager_owner(Stager *self) {
     PyObject *owner;
 #if PY_VERSION_HEX >= 0x030D0000
     if (PyWeakref_GetRef(self->owner, &owner) < 0)
@@ -286,10 +286,17 @@ static PyObject *stager_slow(Stager *self, PyObject *slow, PyObject *const *args
     if (owner == Py_None)
         Py_CLEAR(owner);
 #endif
-    if (owner == NULL) {
+    if (owner == NULL)
         PyErr_SetString(PyExc_ReferenceError, "append_block_ids: its BlockTables no longer exists");
+    return owner;
+}
+
+/* The Python method with the caller's arguments exactly as given: it checks them and raises the precise
+ * error, or stages what the compiled path declined. */
+static PyObject *stager_slow(Stager *self, PyObject *slow, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *owner = stager_owner(self);
+    if (owner == NULL)
         return NULL;
-    }
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
     PyObject *small[8], **stack = small;
@@ -348,7 +355,7 @@ static PyObject *stage_one(Stager *self, PyObject *req, PyObject *ids, int overw
     }
 }
 
-static PyObject *stager_call(Stager *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *stager_call_owned(Stager *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *params[3] = {NULL, NULL, NULL};
     if (nargs > 3)
@@ -369,27 +376,50 @@ static PyObject *stager_call(Stager *self, PyObject *const *args, size_t nargsf,
     return stage_one(self, params[0], params[1], params[2] == Py_True, args, nargsf, kwnames);
 }
 
+/* Every call holds the BlockTables for its duration (a fallback runs Python code, which may drop it). */
+static PyObject *stager_call(Stager *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *owner = stager_owner(self);
+    if (owner == NULL)
+        return NULL;
+    PyObject *result = stager_call_owned(self, args, nargsf, kwnames);
+    Py_DECREF(owner);
+    return result;
+}
+
 /* Stager.batch(req_indices, new_block_ids, overwrite): BlockTables.append_block_ids_batch. Lists or tuples of
  * one length (and a bool or such a sequence of bools) are staged call by call in C; anything else goes whole to
  * the Python method, which checks it. */
-static PyObject *stager_batch(Stager *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !(PyList_CheckExact(args[0]) || PyTuple_CheckExact(args[0])) ||
-        !(PyList_CheckExact(args[1]) || PyTuple_CheckExact(args[1])))
-        return stager_slow(self, self->slow_batch, args, nargs, NULL);
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(args[0]);
-    PyObject *ow = args[2];
-    const int shared = ow == Py_True || ow == Py_False;
-    if (PySequence_Fast_GET_SIZE(args[1]) != n ||
-        !(shared || ((PyList_CheckExact(ow) || PyTuple_CheckExact(ow)) && PySequence_Fast_GET_SIZE(ow) == n)))
-        return stager_slow(self, self->slow_batch, args, nargs, NULL);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        /* (re-read each time: a fallback runs Python code, which may change the lists) */
-        if (i >= PySequence_Fast_GET_SIZE(args[0]) || i >= PySequence_Fast_GET_SIZE(args[1]) ||
-            (!shared && i >= PySequence_Fast_GET_SIZE(ow))) {
-            PyErr_SetString(PyExc_RuntimeError, "append_block_ids_batch: the lists changed size while staging");
-            return NULL;
+static PyObject *stager_batch_owned(Stager *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *params[3] = {NULL, NULL, NULL};
+    if (nargs > 3)
+        return stager_slow(self, self->slow_batch, args, nargsf, kwnames);
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        params[i] = args[i];
+    if (kwnames != NULL) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+            int at = name_is(name, s_k_reqs) ? 0 : name_is(name, s_k_ids) ? 1 : name_is(name, s_k_overwrite) ? 2 : -1;
+            if (at < 0 || params[at] != NULL) /* unknown or given twice: the Python method says so */
+                return stager_slow(self, self->slow_batch, args, nargsf, kwnames);
+            params[at] = args[nargs + i];
         }
-        PyObject *call[3] = {PySequence_Fast_ITEMS(args[0])[i], PySequence_Fast_ITEMS(args[1])[i],
+    }
+    PyObject *reqs = params[0], *ids = params[1], *ow = params[2];
+    if (reqs == NULL || ids == NULL || ow == NULL || !(PyList_CheckExact(reqs) || PyTuple_CheckExact(reqs)) ||
+        !(PyList_CheckExact(ids) || PyTuple_CheckExact(ids)))
+        return stager_slow(self, self->slow_batch, args, nargsf, kwnames);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(reqs);
+    const int shared = ow == Py_True || ow == Py_False;
+    if (PySequence_Fast_GET_SIZE(ids) != n ||
+        !(shared || ((PyList_CheckExact(ow) || PyTuple_CheckExact(ow)) && PySequence_Fast_GET_SIZE(ow) == n)))
+        return stager_slow(self, self->slow_batch, args, nargsf, kwnames);
+    /* As the method's zip over the three: it stops at the end of the shortest, its lengths re-read each time (a
+     * fallback runs Python code, which may change the lists); one shared bool stands for a list of n. */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(reqs) && i < PySequence_Fast_GET_SIZE(ids) &&
+                           i < (shared ? n : PySequence_Fast_GET_SIZE(ow));
+         i++) {
+        PyObject *call[3] = {PySequence_Fast_ITEMS(reqs)[i], PySequence_Fast_ITEMS(ids)[i],
                              shared ? ow : PySequence_Fast_ITEMS(ow)[i]};
         Py_INCREF(call[0]);
         Py_INCREF(call[1]);
@@ -407,8 +437,17 @@ static PyObject *stager_batch(Stager *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+static PyObject *stager_batch(Stager *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *owner = stager_owner(self);
+    if (owner == NULL)
+        return NULL;
+    PyObject *result = stager_batch_owned(self, args, (size_t)nargs, kwnames);
+    Py_DECREF(owner);
+    return result;
+}
+
 static PyMethodDef stager_methods[] = {
-    {"batch", (PyCFunction)(void (*)(void))stager_batch, METH_FASTCALL,
+    {"batch", (PyCFunction)(void (*)(void))stager_batch, METH_FASTCALL | METH_KEYWORDS,
      "batch(req_indices, new_block_ids, overwrite): BlockTables.append_block_ids_batch staged in C."},
     {NULL, NULL, 0, NULL},
 };
@@ -815,6 +854,7 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
     INTERN(s_mirror_addr, "mirror_addr");
     INTERN(s_bounds_addr, "bounds_addr");
     INTERN(s_k_req, "req_index");
+    INTERN(s_k_reqs, "req_indices");
     INTERN(s_k_ids, "new_block_ids");
     INTERN(s_k_overwrite, "overwrite");
     if (PyType_Ready(&ArenaFieldsType) < 0 || PyType_Ready(&StagerType) < 0)

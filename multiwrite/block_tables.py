@@ -288,6 +288,19 @@ class BlockTables:
         """Device of the tables."""
         return self._writer.device
 
+    def __reduce_ex__(self, protocol: object) -> object:
+        """Refused (`copy.copy`, `copy.deepcopy`, `pickle`): the tables own device memory and pinned staging slots,
+        and the compiled `append_block_ids` is bound to this object; a copy would stage into this object's arena
+        (or fail once it is gone). Build a new `BlockTables` instead.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(
+            "a BlockTables cannot be copied or pickled: it owns its device tables, pinned staging memory and a "
+            "staging callable bound to it; build a new BlockTables with the same arguments instead"
+        )
+
     def __getitem__(self, group: int) -> StagedWriteTensor:
         """Group `group`'s `StagedWriteTensor`."""
         return self.block_tables[group]
@@ -393,7 +406,6 @@ class BlockTables:
         num_blocks = self._num_blocks_view
         w = w0 = arena.num_writes
         v = v0 = arena.num_values
-        may_overlap0 = arena.may_overlap
         if w + len(groups) + 1 > arena.meta.shape[0]:
             arena.reserve(len(groups) + 1, 0)
         pack = arena.pack_meta
@@ -449,14 +461,10 @@ class BlockTables:
                 pack(arena.meta_bytes, w * _META_BYTES, g, req, start, cells, v)  # after any reserve
                 w += 1
                 v += cells
-                if stamps[g * R + req] == epoch:
-                    arena.may_overlap = True
-                stamps[g * R + req] = epoch
                 counts.append(start + cells)
                 counts.append(g)
         except (TypeError, ValueError, OverflowError) as exc:
-            # Nothing of this call stays staged: the counters never moved; forget its row keys.
-            arena.may_overlap = may_overlap0  # (stamps left by this call only make overlaps more likely)
+            # Nothing of this call stays staged: the counters never moved, no (table, row) was stamped.
             if isinstance(exc, StagedWriteError):
                 raise
             describe = self._describer(g, req, start)
@@ -469,6 +477,11 @@ class BlockTables:
             raise StagedWriteError(f"{describe(len(ids))}: {exc}") from None
         if w == w0:
             return
+        for i in range(1, len(counts), 2):  # every check passed: stamp the rows written (overlap detection)
+            at = counts[i] * R + req
+            if stamps[at] == epoch:
+                arena.may_overlap = True
+            stamps[at] = epoch
         counts_table = self._counts_table
         # the request's new counts: one more write, row `req` of num_blocks.T
         new_counts = [num_blocks[g, req] for g in range(len(groups))]

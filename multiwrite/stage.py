@@ -291,8 +291,12 @@ def _count(what: str, value: Any, high: int, high_name: str) -> int:
 
 
 def _vector(what: str, t: Any, dtypes: tuple[torch.dtype, ...], device: torch.device) -> torch.Tensor:
-    """`t` checked to be a 1-D tensor of `dtypes` on `device` or on the host, moved to `device`."""
-    if t.__class__ is torch.Tensor and t.dtype in dtypes and t.device == device and t.dim() == 1:
+    """`t` checked to be a 1-D tensor of `dtypes` on `device` or on the host, moved to `device`, contiguous (the
+    kernels read element `i` at `data_ptr() + i`: a strided view is copied, on the current stream)."""
+    if (
+        t.__class__ is torch.Tensor and t.dtype in dtypes and t.device == device and t.dim() == 1
+        and t.is_contiguous()
+    ):  # fmt: skip
         return t  # the common case, in as few tensor attribute reads as possible
     if not isinstance(t, torch.Tensor):
         raise StageInputError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
@@ -302,18 +306,18 @@ def _vector(what: str, t: Any, dtypes: tuple[torch.dtype, ...], device: torch.de
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise StageInputError(f"{what} has dtype {str(t.dtype).removeprefix('torch.')} (accepted: {allowed})")
     if t.device == device:
-        return t
+        return t.contiguous()
     if t.device.type != "cpu":
         raise StageInputError(f"{what} is on {t.device}; the tables are on {device} (pass it there or on the host)")
     # A host tensor: pinned memory is copied asynchronously on the current stream, as the engine's own
     # persistent input buffers are; the caller must not overwrite it before that copy ran.
-    return t.to(device, non_blocking=t.is_pinned())
+    return t.to(device, non_blocking=t.is_pinned()).contiguous()
 
 
 def _host(original: Any, checked: torch.Tensor, gpu: bool) -> np.ndarray | None:
     """The values of an input the caller passed on the host (checked there), or None for a device input
     (never read: that would synchronize). `checked` is what `_vector` made of `original`."""
-    if gpu and checked is original:
+    if gpu and (checked is original or original.device == checked.device):
         return None
     return original.numpy()
 
@@ -359,6 +363,7 @@ def _build_common(
         and qsl.__class__ is T and qsl.dtype in _INDEX_DTYPES and qsl.device == device and qsl.dim() == 1
         and pos.__class__ is T and pos.dtype in _INDEX_DTYPES and pos.device == device and pos.dim() == 1
         and num_reqs_padded.__class__ is int and num_tokens_padded.__class__ is int
+        and idx.is_contiguous() and qsl.is_contiguous() and pos.is_contiguous()  # (strided: `_vector` copies)
         and config.max_num_batched_tokens is not None
     ):  # fmt: skip
         return None
@@ -369,7 +374,7 @@ def _build_common(
         return None
     if pad is not None and not (
         pad.__class__ is T and pad.dtype is torch.bool and pad.device == device and pad.dim() == 1
-        and pad.shape[0] >= num_tokens_padded
+        and pad.shape[0] >= num_tokens_padded and pad.is_contiguous()
     ):  # fmt: skip
         return None
     s = new_stage(config)

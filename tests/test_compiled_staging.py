@@ -356,3 +356,90 @@ def test_the_compiled_commit_takes_the_common_case_and_hands_over_the_rest(monke
     assert python_commits[-1] == 8 and len(python_commits) == n_python + 1
     assert bt.block_tables[0].tensor[2, :2].tolist() == [4, 7]
     assert bt.block_tables[1].tensor[2, :4].tolist() == [10, 11, 16, 17]
+
+
+# -- attacks on the compiled paths (each verified to fail before its fix) -------------------------------------
+def test_the_compiled_callable_refuses_every_call_once_its_tables_are_gone():
+    # The C path stores into the tables' host arrays (num_blocks, stamps) by address: once the BlockTables is
+    # gone they are freed, so every call, not only those handed to the method, must raise.
+    bt = _tables()
+    append, batch, arena = bt.append_block_ids, bt.append_block_ids_batch, bt._arena
+    del bt
+    gc.collect()
+    with pytest.raises(ReferenceError, match="no longer exists"):
+        append(0, [[1], [2], [3]], True)
+    with pytest.raises(ReferenceError, match="no longer exists"):
+        batch([0], [[[1], [2], [3]]], True)
+    with pytest.raises(ReferenceError, match="no longer exists"):
+        batch([], [], True)
+    assert arena.num_writes == 0 and arena.num_values == 0
+
+
+@pytest.mark.parametrize("form", ["all-keywords", "overwrite-keyword"])
+def test_a_batch_takes_its_documented_keywords(form, monkeypatch):
+    calls = _random_calls(random.Random(3), 20)
+    reqs, ids, overwrite = [c[0] for c in calls], [c[1] for c in calls], [c[2] for c in calls]
+    compiled, python = _tables(), _python_tables(monkeypatch)
+    for bt in (compiled, python):
+        if form == "all-keywords":
+            bt.append_block_ids_batch(overwrite=overwrite, new_block_ids=ids, req_indices=reqs)
+        else:
+            bt.append_block_ids_batch(reqs, ids, overwrite=overwrite)
+    for got, want in zip(_staged(compiled), _staged(python)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'extra'"):
+        compiled.append_block_ids_batch(reqs, ids, overwrite, extra=1)
+
+
+class _Shrinking:
+    """A request row whose `__index__` empties the batch's list of rows (the Python fallback runs it)."""
+
+    def __init__(self, rows: list, row: int):
+        self.rows, self.row = rows, row
+
+    def __index__(self) -> int:
+        self.rows.clear()
+        return self.row
+
+
+@pytest.mark.parametrize("flags", ["one-bool", "list"])
+def test_a_batch_whose_lists_change_while_staging_stages_what_the_method_stages(flags, monkeypatch):
+    results = []
+    for bt in (_tables(), _python_tables(monkeypatch)):
+        reqs = [0, None, 2, 3]
+        reqs[1] = _Shrinking(reqs, 1)
+        bt.append_block_ids_batch(reqs, [[[1], [2], [3]]] * 4, True if flags == "one-bool" else [True] * 4)
+        results.append(_staged(bt))
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
+    assert results[0][3][:, :4].T.tolist() == [[1, 2, 1], [1, 2, 1], [0, 0, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_rejected_call_leaves_no_stamp_that_would_mark_the_next_call_overlapping(compiled, monkeypatch):
+    # Group 0's ids are fine, group 1's id is negative: the call is refused after group 0 was looked at. Its
+    # (table, row) stamps must not survive, or the next (valid) call on that row reads as an overlap, which sends
+    # the apply into rounds, the graph commit to Python and the direct prepare_inputs to the general path.
+    bt = _tables() if compiled else _python_tables(monkeypatch)
+    stamps = bt._stamps.copy()
+    with pytest.raises(StagedWriteError, match="block id -1 is negative"):
+        bt.append_block_ids(1, [[5], [-1], [6]], True)
+    np.testing.assert_array_equal(bt._stamps, stamps)
+    bt.append_block_ids(1, [[5], [7], [6]], True)
+    assert bt._arena.may_overlap is False
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_block_tables_refuses_to_be_copied_or_pickled(how):
+    # A copy would share (shallow) or duplicate (deep) the device tables, the pinned staging slots and the compiled
+    # staging callable, which stays bound to the original: the copy would stage into the original's arena, and
+    # raise ReferenceError once the original is gone. Refused with a clear error instead.
+    import copy
+    import pickle
+
+    bt = _tables()
+    bt.append_block_ids(1, [[1], [2], [3]], True)
+    do = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    with pytest.raises(TypeError, match="BlockTables cannot be copied or pickled"):
+        do(bt)
+    assert bt._arena.num_writes == 4

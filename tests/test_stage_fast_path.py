@@ -444,3 +444,43 @@ def test_direct_path_steps_aside_for_what_it_does_not_serve(monkeypatch, case):
     assert calls.count == 2  # both took the general path
     for x, y in zip(snapshot(bt, a), snapshot(ref, b)):
         np.testing.assert_array_equal(x, y)
+
+
+def _strided_inputs(which: str):
+    """The step of `inputs()` with one input a strided (every other element) view of a larger buffer."""
+    idx, nrp, qsl, pos, ntp, pad = inputs()
+    pad = torch.tensor([False, True, False, False, False, False, False, False, True])
+
+    def spread(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.full((2 * t.shape[0],), 9 if t.dtype != torch.bool else True, dtype=t.dtype)
+        buf[::2] = t
+        return buf[::2]
+
+    if which == "idx_mapping":
+        idx = spread(idx)
+    elif which == "query_start_loc":
+        qsl = spread(qsl)
+    elif which == "positions":
+        pos = spread(pos)
+    else:
+        pad = spread(pad)
+    assert not (idx.is_contiguous() and qsl.is_contiguous() and pos.is_contiguous() and pad.is_contiguous())
+    return idx, qsl, pos, nrp, ntp, pad
+
+
+@needs_interpreter
+@pytest.mark.parametrize("which", ["idx_mapping", "query_start_loc", "positions", "is_padding"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_strided_inputs_give_what_contiguous_ones_give(which, direct):
+    """An input that is a strided view (a column of a 2-D buffer, `buf[::2]`) is read element by element as torch
+    reads it, not as if it were contiguous from its first address (the kernels index it with stride 1)."""
+    bt = gpu_tables(direct=direct)
+    ref = BlockTables([16, 32], 6, [4, 4], "cpu", [16, 16], backend=CPU, max_num_batched_tokens=32)
+    for t in (bt, ref):
+        warm(t)
+        t.append_block_ids(1, ([7, 8], [9]), overwrite=True)
+    assert callable(bt._direct) is direct
+    args = _strided_inputs(which)
+    want = snapshot(ref, ref.prepare_inputs(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)))
+    for x, y in zip(snapshot(bt, bt.prepare_inputs(*args)), want):
+        np.testing.assert_array_equal(x, y)
