@@ -290,3 +290,104 @@ def test_captured_slot_mappings_with_context_parallelism_equal_the_reference(cp_
                                                cp_size=2, cp_rank=cp_rank, cp_interleave=2)  # fmt: skip
         np.testing.assert_array_equal(slots.numpy(), want, err_msg=f"step {step}")
         assert (want >= 0).sum() > 0
+
+
+class _Counted:
+    """A kernel whose launches (`kernel[grid](...)`) are logged by name, then run."""
+
+    def __init__(self, kernel, name: str, log: list[str]):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.log.append(self.name)
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def _count_launches(mp: pytest.MonkeyPatch) -> list[str]:
+    """Log every launch of the graph-mode and stage kernels (those a module defines) from now on."""
+    log: list[str] = []
+    for module, name in ((triton_graph, "_consume_kernel"), (triton_graph, "_consume_and_stage_kernel"),
+                         (triton_stage, "_stage_kernel"), (triton_stage, "_fused_kernel")):  # fmt: skip
+        kernel = getattr(module, name, None)
+        if kernel is not None:
+            mp.setattr(module, name, _Counted(kernel, name, log))
+    return log
+
+
+def test_a_captured_prepare_inputs_is_one_launch_and_replays_reset_its_sync_words(monkeypatch):
+    """The replay of a captured prepare_inputs runs ONE kernel launch (the consume kernel's work and the stage's
+    in one grid); over 3x the header ring's depth plus 4 consecutive replays (the trace, then again from its start)
+    every replay equals the reference, and each leaves the kernel's ticket, finish and flag words at zero for the
+    next. An eager graph-mode prepare_inputs is that same single launch too."""
+    rng = np.random.default_rng(14)
+    bt = _tables()
+    ref = ReferenceBlockTables(BS, REQS, max_blocks_per_group(BS), KBS)
+    x = Buffers()
+    (gathered, slots), recorded = _capture(
+        bt, lambda: bt.prepare_inputs(x.idx, x.qsl, x.pos, REQS, TOKENS, is_padding=x.pad)
+    )
+    launches = _count_launches(monkeypatch)
+    want_ibt = [np.zeros(t.shape, dtype=np.int64) for t in bt.input_block_tables]
+    schedule = _schedule(60)
+    replays = 3 * bt._graph.depth + 4
+    assert replays > len(schedule)  # the schedule runs again from its start: rows are overwritten anew
+    for i in range(replays):
+        step = schedule[i % len(schedule)]
+        for req, ids, overwrite in step.calls:
+            bt.append_block_ids(req, ids, overwrite)
+            ref.append_block_ids(req, ids, overwrite)
+        bt.commit_staged_writes()
+        ref.apply_staged_writes()
+        idx, qsl, pos, pad = x.load(step, rng)
+        launches.clear()
+        _replay(recorded)
+        assert launches == ["_consume_and_stage_kernel"], f"replay {i}"
+        assert not bt._graph.sync.any(), f"replay {i}: sync words {bt._graph.sync.tolist()}"
+        want = gather_block_tables_reference(ref.tables, ref.num_blocks, idx, REQS, want_ibt)
+        for g in range(3):
+            np.testing.assert_array_equal(gathered[g].numpy(), want[g], err_msg=f"replay {i} group {g}")
+        want_slots = compute_slot_mappings_reference(ref.tables, KBS, idx, qsl, pos, TOKENS, pad)
+        np.testing.assert_array_equal(slots.numpy(), want_slots, err_msg=f"replay {i}")
+    assert bt._graph.consumed == bt._graph.published == replays and bt._graph.idle_runs == 0
+    for g in range(3):
+        np.testing.assert_array_equal(bt[g].tensor.numpy(), ref.tables[g], err_msg=f"group {g}")
+    # eager: two committed batches and a staged one, all applied, then the stage, in one launch
+    for n in range(3):
+        bt.append_block_ids(n, ([40 + n], [50 + n], [60 + n]), True)
+        ref.append_block_ids(n, ([40 + n], [50 + n], [60 + n]), True)
+        if n < 2:
+            bt.commit_staged_writes()
+    ref.apply_staged_writes()
+    launches.clear()
+    idx = torch.tensor([2, 0, 1])
+    out, out_slots = bt.prepare_inputs(idx, torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2]), 4, 5)
+    assert launches == ["_consume_and_stage_kernel"] and not bt._graph.sync.any()
+    assert bt._graph.consumed == bt._graph.published == replays + 3
+    assert out[0][:4, 0].tolist() == [42, 40, 41, 0] and out[2][:3, 0].tolist() == [62, 60, 61]
+    want_slots = compute_slot_mappings_reference(ref.tables, KBS, [2, 0, 1], [0, 1, 2, 3], [0, 1, 2], 5)
+    np.testing.assert_array_equal(out_slots.numpy(), want_slots)
+
+
+def test_the_one_launch_stage_refuses_dirty_sync_words_instead_of_spinning_forever():
+    """Under the interpreter (programs one at a time, in program-id order) the stage programs' spin would never end
+    if the words were not zero at launch (as a launch that raised midway leaves them): the launch is refused with
+    RuntimeError, nothing is consumed or written; zeroed again, the same replay consumes and stages normally."""
+    bt = _tables()
+    x = Buffers()
+    (gathered, _), recorded = _capture(bt, lambda: bt.prepare_inputs(x.idx, x.qsl, x.pos, REQS, TOKENS, x.pad))
+    bt.append_block_ids(0, ([7], [8], [9]), True)
+    bt.commit_staged_writes()
+    x.idx[0] = 0
+    x.qsl[1:] = 1
+    bt._graph.sync[0] = 1
+    with pytest.raises(RuntimeError, match=r"sync words not zero before a launch: \[1, 0, 0, 0\]"):
+        _replay(recorded)
+    assert bt._graph.consumed == 0 and not bt[0].tensor.any() and not gathered[0].any()
+    bt._graph.sync.zero_()
+    _replay(recorded)
+    assert bt._graph.consumed == 1 and gathered[0][0, 0].item() == 7 and gathered[2][0, 0].item() == 9
