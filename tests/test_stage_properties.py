@@ -244,13 +244,15 @@ def test_each_token_is_stored_by_exactly_one_rank(backend):
 # The overlap of a step's writes with its own batch: what the one-launch stage (Triton) must get right
 # -------------------------------------------------------------------------------------------------
 class FusedSpy:
-    """Counts the Triton backends' one-launch stages (`triton_stage.launch_fused`) that ran and that declined."""
+    """Counts the Triton backends' one-launch stages that ran (through the general path's
+    `triton_stage.launch_fused`, or the direct path of `backends/triton_direct.py`, which a GPU binds after the
+    first call) and the ones `launch_fused` declined."""
 
     def __init__(self, backend, monkeypatch):
         self.ran = self.declined = 0
         if not backend.name.startswith("triton-"):
             return
-        from multiwrite.backends import triton_stage
+        from multiwrite.backends import triton_direct, triton_stage
 
         original = triton_stage.launch_fused
 
@@ -260,7 +262,15 @@ class FusedSpy:
             self.declined += not took
             return took
 
+        direct = triton_direct.DirectStage.prepare_inputs
+
+        def direct_spy(self_, *args):
+            out = direct(self_, *args)
+            self.ran += out is not None
+            return out
+
         monkeypatch.setattr(triton_stage, "launch_fused", spy)
+        monkeypatch.setattr(triton_direct.DirectStage, "prepare_inputs", direct_spy)
 
 
 def check_step(bt: BlockTables, ref: ReferenceBlockTables, ref_inputs, step, backend) -> None:
