@@ -57,8 +57,7 @@ from multiwrite.backends.triton_kernel import (
     _LentRing,
     overlap_rounds,
 )
-from multiwrite.backends.triton_stage import DO_NOT_SPECIALIZE as STAGE_FIXED
-from multiwrite.backends.triton_stage import _descriptor_table, _stage_program, launch_stage, stage_arguments
+from multiwrite.backends.triton_stage import _descriptor_table, launch_stage
 
 from multiwrite.errors import BackendUnavailableError
 from multiwrite.stage import StageInputs
@@ -79,8 +78,7 @@ DO_NOT_SPECIALIZE = ("desc_addr", "headers_addr", "state_addr", "mirror_addr", "
 BLOCK_W, BLOCK_L, NUM_WARPS = 16, 64, 4
 
 
-@triton.jit
-def _consume(
+def _consume_kernel_fn(
     desc_addr: tl.int64,  # device int64 [num_tables, 5]: base address, row stride, column stride, rows, columns
     headers_addr: tl.int64,  # pinned int64 [DEPTH, HEADER_WORDS]
     state_addr: tl.int64,  # device int64 [2]: headers consumed, runs that found no header
@@ -92,7 +90,7 @@ def _consume(
     BLOCK_W: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    """Apply the published, unconsumed headers' batches in order (see the module docstring); one program."""
+    """Apply the published, unconsumed headers' batches in order (see the module docstring)."""
     desc = desc_addr.to(tl.pointer_type(tl.int64))
     headers = headers_addr.to(tl.pointer_type(tl.int64))
     state = state_addr.to(tl.pointer_type(tl.int64))
@@ -219,21 +217,6 @@ def _consume(
     tl.store(mirror + 1, idle, cache_modifier=".wt")
 
 
-def _consume_kernel_fn(
-    desc_addr: tl.int64,  # device int64 [num_tables, 5]: base address, row stride, column stride, rows, columns
-    headers_addr: tl.int64,  # pinned int64 [DEPTH, HEADER_WORDS]
-    state_addr: tl.int64,  # device int64 [2]: headers consumed, runs that found no header
-    mirror_addr: tl.int64,  # pinned int64 [2]: the same two counts, for the host
-    limit: tl.int64,  # consume headers up to this count (eager launch), or -1: the next header only (captured)
-    num_tables: tl.int32,
-    DEPTH: tl.constexpr,  # header ring entries, a power of two
-    NT: tl.constexpr,  # a power of two >= num_tables: every descriptor is loaded up front
-    BLOCK_W: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-):
-    _consume(desc_addr, headers_addr, state_addr, mirror_addr, limit, num_tables, DEPTH, NT, BLOCK_W, BLOCK_L)
-
-
 #: The runtime kernel (an `InterpretedFunction` under TRITON_INTERPRET, like the apply kernel).
 _consume_kernel = triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)(_consume_kernel_fn)
 
@@ -243,88 +226,6 @@ def compilable_consume_kernel() -> triton.runtime.JITFunction:
     if not INTERPRETED:
         return _consume_kernel
     return triton.runtime.JITFunction(_consume_kernel_fn, do_not_specialize=DO_NOT_SPECIALIZE)
-
-
-#: Kernel parameters of the one-launch captured stage that vary per BlockTables or call (no specialization).
-STAGE_DO_NOT_SPECIALIZE = (*DO_NOT_SPECIALIZE, "sync_addr", *STAGE_FIXED)
-#: int32 words of a GraphStage's sync buffer: tickets taken, programs finished, "the consume program is done".
-SYNC_TICKETS, SYNC_FINISHED, SYNC_CONSUMED = (tl.constexpr(i) for i in range(3))
-
-
-def _consume_and_stage_kernel_fn(
-    desc_addr: tl.int64,  # the consume kernel's arguments, as `_consume_kernel_fn` takes them
-    headers_addr: tl.int64,
-    state_addr: tl.int64,
-    mirror_addr: tl.int64,
-    limit: tl.int64,  # -1 (captured: the next header only), or consume every published header below it (eager)
-    num_tables: tl.int32,
-    sync_addr: tl.int64,  # device int32 [4] of the GraphStage, zero between launches: SYNC_* words
-    desc_ptr,  # from here on the stage kernel's arguments, as `_stage_kernel_fn` takes them
-    num_blocks_ptr,
-    nb_stride,
-    idx_ptr,
-    qsl_ptr,
-    pos_ptr,
-    pad_ptr,
-    slot_ptr,
-    slot_stride,
-    num_reqs,
-    num_reqs_padded,
-    max_tokens,
-    num_positions,
-    max_num_reqs,
-    cp_rank,
-    DEPTH: tl.constexpr,
-    NT: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    CP_SIZE: tl.constexpr,
-    CP_INTERLEAVE: tl.constexpr,
-    HAS_PADDING: tl.constexpr,
-    DO_GATHER: tl.constexpr,
-    DO_SLOTS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """The consume kernel's one program and the stage kernel's grid in ONE launch of `1 + groups x (num_reqs_padded
-    + 1)` programs (see `CapturedStage`).
-
-    Every program takes a ticket (an atomic add on `SYNC_TICKETS`); ticket order, not program ids, decides the
-    roles, since the hardware may start programs in any order: ticket 0 consumes (`_consume`), then sets
-    `SYNC_CONSUMED` with release semantics; ticket `1 + s` is stage program `s` = `(g, b)` of `launch_stage`'s grid,
-    which loads its step inputs, then spins on `SYNC_CONSUMED` (acquire) before it reads the tables. A spinning
-    program never blocks the consume: the program holding ticket 0 took it, so it is already running. The last
-    program to finish (`SYNC_FINISHED` reaching the grid size) zeroes the three words for the next launch.
-    """
-    sync = sync_addr.to(tl.pointer_type(tl.int32))
-    ticket = tl.atomic_add(sync + SYNC_TICKETS, 1, sem="relaxed", scope="gpu")
-    if ticket == 0:
-        _consume(desc_addr, headers_addr, state_addr, mirror_addr, limit, num_tables, DEPTH, NT, BLOCK_W, BLOCK_L)
-        tl.debug_barrier()  # every lane's stores are done before the flag is published
-        tl.atomic_xchg(sync + SYNC_CONSUMED, 1, sem="release", scope="gpu")
-    else:
-        s = ticket - 1
-        _stage_program(
-            s // (num_reqs_padded + 1), s % (num_reqs_padded + 1), desc_ptr, num_blocks_ptr, nb_stride, idx_ptr,
-            qsl_ptr, pos_ptr, pad_ptr, slot_ptr, slot_stride, num_reqs, num_reqs_padded, max_tokens, num_positions,
-            max_num_reqs, cp_rank, sync + SYNC_CONSUMED, CP_SIZE, CP_INTERLEAVE, HAS_PADDING, DO_GATHER, DO_SLOTS,
-            BLOCK, True,
-        )  # fmt: skip
-    tl.debug_barrier()
-    finished = tl.atomic_add(sync + SYNC_FINISHED, 1, sem="acq_rel", scope="gpu")
-    last = finished == tl.num_programs(0) - 1  # every program has taken its ticket and passed its spin
-    tl.atomic_xchg(sync + SYNC_TICKETS, 0, mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(sync + SYNC_CONSUMED, 0, mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(sync + SYNC_FINISHED, 0, mask=last, sem="relaxed", scope="gpu")
-
-
-_consume_and_stage_kernel = triton.jit(do_not_specialize=STAGE_DO_NOT_SPECIALIZE)(_consume_and_stage_kernel_fn)
-
-
-def compilable_consume_and_stage_kernel() -> triton.runtime.JITFunction:
-    """The one-launch captured stage as a `JITFunction`, even under the interpreter (for `triton.compile` tests)."""
-    if not INTERPRETED:
-        return _consume_and_stage_kernel
-    return triton.runtime.JITFunction(_consume_and_stage_kernel_fn, do_not_specialize=STAGE_DO_NOT_SPECIALIZE)
 
 
 _NO_GUARD = contextlib.nullcontext()
@@ -339,12 +240,10 @@ class CapturedStage:
     `BlockTables`, which must outlive its graphs).
 
     `launch()` is exactly what the capture recorded and what every replay runs: with `consume` (a captured
-    `prepare_inputs`), ONE launch of the consume-and-stage kernel (`GraphStage.launch_with_stage(stage, -1)`:
-    the consume kernel's work for the next committed batch, then the stage kernel's gather and slot mappings, in
-    one grid synchronized by a device flag; see `_consume_and_stage_kernel_fn`); without (a captured
-    `gather_block_tables` or `compute_slot_mappings`), ONE launch of the stage kernel (`triton_stage.launch_stage`).
-    Both use the `GraphStage`'s own stage descriptors and scratch buffer (and its sync words). Every argument is
-    fixed: addresses of the tables, the persistent outputs, and the step's input tensors given at capture (their
+    `prepare_inputs`), the consume kernel for the next committed batch (`GraphStage.launch(-1)`), then ONE
+    launch of the stage kernel (`triton_stage.launch_stage`: gather and/or slot mappings) with the
+    `GraphStage`'s own stage descriptors and scratch buffer. Every argument of both launches is fixed:
+    addresses of the tables, the persistent outputs, and the step's input tensors given at capture (their
     VALUES are read when the launch runs: the engine's persistent input buffers), plus `num_reqs`,
     `num_reqs_padded`, `num_tokens_padded` and the input lengths, fixed at capture.
 
@@ -365,8 +264,7 @@ class CapturedStage:
         """The recorded launches, on the current stream (what a replay runs)."""
         graph = self.graph
         if self.consume:
-            graph.launch_with_stage(self.stage, -1)
-            return
+            graph.launch(-1)
         with graph.device_guard():
             launch_stage(self.stage, desc=graph.stage_desc, scratch=graph.stage_scratch)
 
@@ -424,9 +322,6 @@ class GraphStage:
         # What the compiled commit (`multiwrite._cstaging.commit_graph`) reads besides `published`, `depth`, `lender`.
         self.headers_addr, self.mirror_addr = self.headers_t.data_ptr(), self.mirror_t.data_ptr()
         self.state = torch.zeros(2, dtype=torch.int64, device=device)
-        # The consume-and-stage kernel's ticket, finish and flag words (SYNC_*): zero between its launches (each
-        # launch zeroes them when it ends), allocated here, never inside a capture; the capture records the address.
-        self.sync = torch.zeros(4, dtype=torch.int32, device=device)
         rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
         assert len(rows[0]) == DESC_COLUMNS
         # Fixed for the life of the tables (a graph-mode BlockTables never replaces or resizes them); this
@@ -594,48 +489,6 @@ class GraphStage:
         with torch.cuda.device(self.writer._index):
             _consume_kernel[(1,)](*args, **self._consts, num_warps=NUM_WARPS, num_stages=1)
 
-    def launch_with_stage(self, stage: StageInputs, limit: int) -> None:
-        """ONE launch on the current stream of the consume kernel's work (`limit` as for `launch`) followed, in the
-        same grid, by the stage kernel's (`stage`'s gather and/or slot mappings, with this object's descriptors and
-        scratch): the consume-and-stage kernel. What a captured `prepare_inputs` records (`limit = -1`) and what an
-        eager graph-mode one runs (`prepare_eager`). With neither job asked for: the consume kernel alone.
-
-        Raises:
-            BackendUnavailableError: before `bind_stage`.
-            RuntimeError: (interpreter only) the sync words are not zero, as a launch that failed midway left them:
-                the kernel's spin would never end in the interpreter's one-program-at-a-time order.
-        """
-        if not (stage.do_gather or stage.do_slots):
-            self.launch(limit)
-            return
-        if self.stage_desc is None:
-            raise BackendUnavailableError("GraphStage.launch_with_stage before bind_stage: no stage descriptors")
-        args, consts = stage_arguments(stage, self.stage_desc, self.stage_scratch)
-        grid = (1 + len(stage.tables) * (stage.num_reqs_padded + 1),)
-        args = (*self._args, limit, self.num_tables, self.sync.data_ptr(), *args)
-        consts.update(self._consts)
-        if not self.writer.is_gpu:
-            # The interpreter runs programs one after another in program-id order, so program 0 takes ticket 0 and
-            # no spin ever waits, provided the words start at zero (a launch that raised midway leaves them set).
-            with _INTERPRETER_LOCK:
-                if self.sync.any():
-                    raise RuntimeError(f"consume-and-stage sync words not zero before a launch: {self.sync.tolist()}")
-                try:
-                    _consume_and_stage_kernel[grid](*args, **consts, num_warps=NUM_WARPS, num_stages=1)
-                except BaseException:
-                    self.sync.zero_()
-                    raise
-            return
-        with torch.cuda.device(self.writer._index):
-            _consume_and_stage_kernel[grid](*args, **consts, num_warps=NUM_WARPS, num_stages=1)
-
-    def prepare_eager(self, stage: StageInputs) -> None:
-        """An eager graph-mode `prepare_inputs` after its commit: consume every header committed so far and run
-        `stage`, in ONE launch (`launch_with_stage`). It also compiles and loads the kernel variant a capture of
-        the same call records, outside the capture (an engine warms up eagerly before capturing)."""
-        self.launch_with_stage(stage, self.published)
-        self._eager_limit = self.published
-
     def apply_eager(self) -> None:
         """Consume every header committed so far (one launch), if any was committed since the last call."""
         if self.published > self._eager_limit:
@@ -655,7 +508,4 @@ def new_graph_stage(writer: TritonWriter, tables: list[torch.Tensor], arena: Sta
     return GraphStage(writer, tables, lender)
 
 
-__all__ = [
-    "CapturedStage", "GraphStage", "HEADER_WORDS", "compilable_consume_and_stage_kernel", "compilable_consume_kernel",
-    "new_graph_stage",
-]  # fmt: skip
+__all__ = ["CapturedStage", "GraphStage", "HEADER_WORDS", "compilable_consume_kernel", "new_graph_stage"]

@@ -51,127 +51,6 @@ DO_NOT_SPECIALIZE = (
 )  # fmt: skip
 
 
-@triton.jit
-def _token_tile(t, end, lanes, pos_ptr, pad_ptr, max_tokens, num_positions, HAS_PADDING: tl.constexpr):
-    """Tokens `t + lanes` of a batch entry ending at `end`: `(tokens, inside, pos, alive)`, `inside` the tokens
-    that are the entry's and below `max_tokens`, `alive` those of them not marked as padding, `pos` their
-    positions (int64; 0 where not alive, so junk positions under padding never reach an address)."""
-    tokens = t + lanes
-    inside = (tokens < end) & (tokens >= 0) & (tokens < max_tokens)
-    pos = tl.load(pos_ptr + tokens, mask=inside & (tokens < num_positions), other=0).to(tl.int64)
-    alive = inside
-    if HAS_PADDING:
-        alive = alive & (tl.load(pad_ptr + tokens, mask=inside, other=1) == 0)
-    return tokens, inside, tl.where(alive, pos, 0), alive
-
-
-@triton.jit
-def _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE: tl.constexpr, CP_INTERLEAVE: tl.constexpr):
-    """`(column, offset, owned)` of positions `pos`: the table column holding each token's kernel block (clamped
-    into the row), the offset in that kernel block, and whether this rank owns the token (`alive` ones only)."""
-    if CP_SIZE == 1:
-        column = pos // kbs
-        offset = pos % kbs
-        owned = alive
-    else:
-        # ownership and the rank-local offset in manager-block coordinates (vLLM PR #51031)
-        virtual = block * CP_SIZE
-        vblock = pos // virtual
-        within = pos % virtual
-        owned = alive & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
-        local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
-        column = vblock * k + local // kbs
-        offset = local % kbs
-    return tl.minimum(tl.maximum(column, 0), width - 1), offset, owned
-
-
-@triton.jit
-def _store_slots(tokens, inside, pos, alive, src_row, slots, width, block, kbs, k, cp_rank, CP_SIZE: tl.constexpr,
-                 CP_INTERLEAVE: tl.constexpr):  # fmt: skip
-    """Slots of one tile of tokens (`_token_tile`) from the request's table row `src_row`; PAD where not owned."""
-    column, offset, owned = _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE, CP_INTERLEAVE)
-    ids = tl.load(src_row + column, mask=owned, other=0).to(tl.int64)
-    tl.store(slots + tokens, tl.where(owned, ids * kbs + offset, PAD), mask=inside)
-
-
-@triton.jit
-def _wait_flag(flag):
-    """Spin until the int32 word `flag` is non-zero, with acquire semantics at GPU scope: what its setter stored
-    before setting it (with release semantics) is visible to this program's loads after the spin."""
-    ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-    while ready == 0:
-        ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def _stage_program(
-    g, b, desc_ptr, num_blocks_ptr, nb_stride, idx_ptr, qsl_ptr, pos_ptr, pad_ptr, slot_ptr, slot_stride, num_reqs,
-    num_reqs_padded, max_tokens, num_positions, max_num_reqs, cp_rank, flag, CP_SIZE: tl.constexpr,
-    CP_INTERLEAVE: tl.constexpr, HAS_PADDING: tl.constexpr, DO_GATHER: tl.constexpr, DO_SLOTS: tl.constexpr,
-    BLOCK: tl.constexpr, WAIT: tl.constexpr,
-):  # fmt: skip
-    """Program `(g, b)` of the stage grid `[num_groups, num_reqs_padded + 1]` (see the module docstring).
-
-    It first loads what no apply writes: the group's descriptors, the entry's `idx_mapping`, `query_start_loc`
-    and first tile of positions (and padding). With `WAIT`, it then spins on `flag` (`_wait_flag`) before it
-    reads the tables and `num_blocks`, which an apply in the same launch writes (`triton_graph`'s one-launch
-    captured stage); without, `flag` is never read.
-    """
-    lanes = tl.arange(0, BLOCK)
-    desc = desc_ptr + g * 8
-    src = tl.load(desc + 0).to(tl.pointer_type(tl.int32))
-    src_stride = tl.load(desc + 1)
-    dst = tl.load(desc + 2).to(tl.pointer_type(tl.int32))
-    dst_stride = tl.load(desc + 3)
-    width = tl.load(desc + 4)
-    block = tl.load(desc + 5)
-    kbs = tl.load(desc + 6)
-    k = tl.load(desc + 7)
-    slots = slot_ptr + g * slot_stride
-    entry = b < num_reqs
-    # Device inputs are not checked on the host: clamp what becomes an address, so that a bad value
-    # gives wrong slots (as the torch path does) but never touches memory outside the buffers.
-    req = tl.minimum(tl.maximum(tl.load(idx_ptr + b, mask=entry, other=0).to(tl.int64), 0), max_num_reqs - 1)
-    start = b.to(tl.int64) * 0
-    end = start
-    if DO_SLOTS:
-        start = tl.load(qsl_ptr + b, mask=entry, other=0).to(tl.int64)
-        end = tl.load(qsl_ptr + b + 1, mask=entry, other=0).to(tl.int64)
-    tokens, inside, pos, alive = _token_tile(start, end, lanes, pos_ptr, pad_ptr, max_tokens, num_positions,
-                                             HAS_PADDING)  # fmt: skip
-    if WAIT:
-        _wait_flag(flag)
-    if entry:
-        src_row = src + req * src_stride
-        dst_row = dst + b.to(tl.int64) * dst_stride
-        if DO_GATHER:
-            count = tl.load(num_blocks_ptr + g * nb_stride + req)
-            for c in range(0, count, BLOCK):
-                cols = c + lanes
-                keep = cols < count
-                tl.store(dst_row + cols, tl.load(src_row + cols, mask=keep), mask=keep)
-        if DO_SLOTS:
-            _store_slots(tokens, inside, pos, alive, src_row, slots, width, block, kbs, k, cp_rank, CP_SIZE,
-                         CP_INTERLEAVE)  # fmt: skip
-            for t in range(start + BLOCK, end, BLOCK):
-                more, more_in, more_pos, more_alive = _token_tile(t, end, lanes, pos_ptr, pad_ptr, max_tokens,
-                                                                  num_positions, HAS_PADDING)  # fmt: skip
-                _store_slots(more, more_in, more_pos, more_alive, src_row, slots, width, block, kbs, k, cp_rank,
-                             CP_SIZE, CP_INTERLEAVE)  # fmt: skip
-    elif b < num_reqs_padded:
-        if DO_GATHER:
-            dst_row = dst + b.to(tl.int64) * dst_stride
-            for c in range(0, width, BLOCK):
-                cols = c + lanes
-                tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < width)
-    else:
-        if DO_SLOTS:
-            first = tl.maximum(tl.load(qsl_ptr + num_reqs).to(tl.int64), 0)
-            for t in range(first, max_tokens, BLOCK):
-                tokens = t + lanes
-                tl.store(slots + tokens, tl.full([BLOCK], PAD, tl.int64), mask=tokens < max_tokens)
-
-
 def _stage_kernel_fn(
     desc_ptr,  # int64 [num_groups, DESC_COLUMNS]: per group the tables' addresses, strides and block sizes
     num_blocks_ptr,  # int32 [num_groups, max_num_reqs] (device)
@@ -195,11 +74,70 @@ def _stage_kernel_fn(
     DO_SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    _stage_program(
-        tl.program_id(0), tl.program_id(1), desc_ptr, num_blocks_ptr, nb_stride, idx_ptr, qsl_ptr, pos_ptr, pad_ptr,
-        slot_ptr, slot_stride, num_reqs, num_reqs_padded, max_tokens, num_positions, max_num_reqs, cp_rank, desc_ptr,
-        CP_SIZE, CP_INTERLEAVE, HAS_PADDING, DO_GATHER, DO_SLOTS, BLOCK, False,
-    )  # fmt: skip
+    g = tl.program_id(0)
+    b = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK)
+    desc = desc_ptr + g * 8
+    src = tl.load(desc + 0).to(tl.pointer_type(tl.int32))
+    src_stride = tl.load(desc + 1)
+    dst = tl.load(desc + 2).to(tl.pointer_type(tl.int32))
+    dst_stride = tl.load(desc + 3)
+    width = tl.load(desc + 4)
+    slots = slot_ptr + g * slot_stride
+    if b < num_reqs:
+        # Device inputs are not checked on the host: clamp what becomes an address, so that a bad value
+        # gives wrong slots (as the torch path does) but never touches memory outside the buffers.
+        req = tl.minimum(tl.maximum(tl.load(idx_ptr + b).to(tl.int64), 0), max_num_reqs - 1)
+        src_row = src + req * src_stride
+        dst_row = dst + b.to(tl.int64) * dst_stride
+        if DO_GATHER:
+            count = tl.load(num_blocks_ptr + g * nb_stride + req)
+            for c in range(0, count, BLOCK):
+                cols = c + lanes
+                keep = cols < count
+                tl.store(dst_row + cols, tl.load(src_row + cols, mask=keep), mask=keep)
+        if DO_SLOTS:
+            block = tl.load(desc + 5)
+            kbs = tl.load(desc + 6)
+            k = tl.load(desc + 7)
+            start = tl.load(qsl_ptr + b).to(tl.int64)
+            end = tl.load(qsl_ptr + b + 1).to(tl.int64)
+            for t in range(start, end, BLOCK):
+                tokens = t + lanes
+                inside = (tokens < end) & (tokens >= 0) & (tokens < max_tokens)
+                pos = tl.load(pos_ptr + tokens, mask=inside & (tokens < num_positions), other=0).to(tl.int64)
+                live = inside
+                if HAS_PADDING:
+                    live = live & (tl.load(pad_ptr + tokens, mask=inside, other=1) == 0)
+                pos = tl.where(live, pos, 0)  # junk positions under padding never reach an address
+                if CP_SIZE == 1:
+                    column = pos // kbs
+                    offset = pos % kbs
+                    owned = live
+                else:
+                    # ownership and the rank-local offset in manager-block coordinates (vLLM PR #51031)
+                    virtual = block * CP_SIZE
+                    vblock = pos // virtual
+                    within = pos % virtual
+                    owned = live & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
+                    local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
+                    column = vblock * k + local // kbs
+                    offset = local % kbs
+                column = tl.minimum(tl.maximum(column, 0), width - 1)
+                ids = tl.load(src_row + column, mask=owned, other=0).to(tl.int64)
+                tl.store(slots + tokens, tl.where(owned, ids * kbs + offset, PAD), mask=inside)
+    elif b < num_reqs_padded:
+        if DO_GATHER:
+            dst_row = dst + b.to(tl.int64) * dst_stride
+            for c in range(0, width, BLOCK):
+                cols = c + lanes
+                tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < width)
+    else:
+        if DO_SLOTS:
+            first = tl.maximum(tl.load(qsl_ptr + num_reqs).to(tl.int64), 0)
+            for t in range(first, max_tokens, BLOCK):
+                tokens = t + lanes
+                tl.store(slots + tokens, tl.full([BLOCK], PAD, tl.int64), mask=tokens < max_tokens)
 
 
 _stage_kernel = triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)(_stage_kernel_fn)
@@ -247,32 +185,6 @@ def _descriptor_table(stage: StageInputs) -> torch.Tensor:
     return desc
 
 
-def stage_arguments(
-    stage: StageInputs, desc: torch.Tensor | None = None, scratch: torch.Tensor | None = None
-) -> tuple[tuple, dict]:
-    """`(args, constants)` of the stage kernel's launch for `stage` (`_stage_kernel_fn`'s order), shared by
-    `launch_stage` and the one-launch captured stage of `triton_graph`. `desc`, `scratch`: see `launch_stage`."""
-    slots = stage.slot_mappings
-    if slots is None:  # a gather of tables built without max_num_batched_tokens: any int64 buffer will do
-        slots = stage.num_blocks.new_empty((1, 1), dtype=torch.int64) if scratch is None else scratch
-    padding = stage.is_padding
-    if desc is None:
-        desc = _descriptor_table(stage)
-    args = (
-        desc, stage.num_blocks, stage.num_blocks.stride(0), stage.idx_mapping,
-        slots if stage.query_start_loc is None else stage.query_start_loc,
-        slots if stage.positions is None else stage.positions,
-        slots if padding is None else padding.view(torch.uint8), slots, slots.stride(0),
-        stage.num_reqs, stage.num_reqs_padded, slots.shape[1],
-        0 if stage.positions is None else stage.positions.shape[0], stage.num_blocks.shape[1], stage.cp_rank,
-    )  # fmt: skip
-    consts = {
-        "CP_SIZE": stage.cp_size, "CP_INTERLEAVE": stage.cp_interleave, "HAS_PADDING": padding is not None,
-        "DO_GATHER": stage.do_gather, "DO_SLOTS": stage.do_slots, "BLOCK": BLOCK,
-    }  # fmt: skip
-    return args, consts
-
-
 def launch_stage(stage: StageInputs, *, desc: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
     """The jobs `stage` asks for (gather, slot mappings, or both) in one launch on the current stream.
 
@@ -287,8 +199,23 @@ def launch_stage(stage: StageInputs, *, desc: torch.Tensor | None = None, scratc
     """
     if not (stage.do_gather or stage.do_slots):
         return
-    args, consts = stage_arguments(stage, desc, scratch)
-    _stage_kernel[(len(stage.tables), stage.num_reqs_padded + 1)](*args, **consts, num_warps=NUM_WARPS)
+    slots = stage.slot_mappings
+    if slots is None:  # a gather of tables built without max_num_batched_tokens: any int64 buffer will do
+        slots = stage.num_blocks.new_empty((1, 1), dtype=torch.int64) if scratch is None else scratch
+    padding = stage.is_padding
+    grid = (len(stage.tables), stage.num_reqs_padded + 1)
+    if desc is None:
+        desc = _descriptor_table(stage)
+    _stage_kernel[grid](
+        desc, stage.num_blocks, stage.num_blocks.stride(0), stage.idx_mapping,
+        slots if stage.query_start_loc is None else stage.query_start_loc,
+        slots if stage.positions is None else stage.positions,
+        slots if padding is None else padding.view(torch.uint8), slots, slots.stride(0),
+        stage.num_reqs, stage.num_reqs_padded, slots.shape[1],
+        0 if stage.positions is None else stage.positions.shape[0], stage.num_blocks.shape[1], stage.cp_rank,
+        CP_SIZE=stage.cp_size, CP_INTERLEAVE=stage.cp_interleave, HAS_PADDING=padding is not None,
+        DO_GATHER=stage.do_gather, DO_SLOTS=stage.do_slots, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------
@@ -493,14 +420,31 @@ def _fused_kernel_fn(
                 kbs = tl.load(desc + 6)
                 k = tl.load(desc + 7)
                 pos_ptr = pos_addr.to(tl.pointer_type(POS_DTYPE))
-                pad = pad_addr.to(tl.pointer_type(tl.uint8))
                 start = tl.load(qsl + b).to(tl.int64)
                 end = tl.load(qsl + b + 1).to(tl.int64)
                 for t0 in range(start, end, BLOCK):
-                    tokens, inside, pos, alive = _token_tile(t0, end, lanes, pos_ptr, pad, max_tokens, num_positions,
-                                                             HAS_PADDING)  # fmt: skip
-                    column, offset, owned = _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE,
-                                                          CP_INTERLEAVE)  # fmt: skip
+                    tokens = t0 + lanes
+                    inside = (tokens < end) & (tokens >= 0) & (tokens < max_tokens)
+                    pos = tl.load(pos_ptr + tokens, mask=inside & (tokens < num_positions), other=0).to(tl.int64)
+                    alive = inside
+                    if HAS_PADDING:
+                        pad = pad_addr.to(tl.pointer_type(tl.uint8))
+                        alive = alive & (tl.load(pad + tokens, mask=inside, other=1) == 0)
+                    pos = tl.where(alive, pos, 0)  # junk positions under padding never reach an address
+                    if CP_SIZE == 1:
+                        column = pos // kbs
+                        offset = pos % kbs
+                        owned = alive
+                    else:
+                        # ownership and the rank-local offset in manager-block coordinates (vLLM PR #51031)
+                        virtual = block * CP_SIZE
+                        vblock = pos // virtual
+                        within = pos % virtual
+                        owned = alive & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
+                        local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
+                        column = vblock * k + local // kbs
+                        offset = local % kbs
+                    column = tl.minimum(tl.maximum(column, 0), width - 1)
                     ids = tl.load(src_row + column, mask=owned, other=0)
                     if written:
                         ids = _overlay(ids, column, owned, seg_start, seg_len, seg_voff, values, num_values, MAX_R)

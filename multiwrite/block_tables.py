@@ -622,19 +622,13 @@ class BlockTables:
             _check_frozen(self._arena)  # descriptors are captured by address: the tables must be as built
             graph.launch(-1)  # recorded: every replay consumes the next committed batch
             return
-        self._commit_eager()
-        graph.apply_eager()
-
-    def _commit_eager(self) -> None:
-        """The commit of an eager graph-mode apply (or `prepare_inputs`): commit what is staged, if anything,
-        applying the committed batches first when the ring is full of them."""
-        graph = self._graph
         if self._arena.frozen is not None:
             _check_frozen(self._arena)
         if self._arena.num_writes:
             if graph.would_wait(self._arena):  # the ring is full of committed batches: apply those first, so
                 graph.apply_eager()  # the commit below waits only for that launch, never for a replay
             self.commit_staged_writes()
+        graph.apply_eager()
 
     def _clear_graph_mode(self) -> None:
         """`clear_staged_writes()` of a graph-mode `BlockTables`: drops the writes staged since the last
@@ -653,10 +647,6 @@ class BlockTables:
         """`prepare_inputs()` of a graph-mode `BlockTables`: recorded when capturing (`multiwrite/stage_graph.py`)."""
         if is_capturing(self.device):
             return _stage_graph.capture_prepare_inputs(
-                self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding
-            )
-        if getattr(self._graph, "prepare_eager", None) is not None:  # the graph stage's own one-launch stage
-            return _stage_graph.prepare_inputs_eager(
                 self, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding
             )
         return _stage.prepare_inputs(

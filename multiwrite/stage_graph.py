@@ -3,9 +3,8 @@
 
 What a capture records (issue 10):
 - `prepare_inputs(idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding)`:
-  ONE launch: the consume kernel's work (each replay applies exactly the NEXT batch closed by
-  `commit_staged_writes()`, as a captured `apply_staged_writes()` does), then, in the same grid, the stage
-  kernel's (gather + slot mappings) once the consume is done (`backends/triton_graph.py`);
+  the consume kernel (each replay applies exactly the NEXT batch closed by `commit_staged_writes()`, as a
+  captured `apply_staged_writes()` does) followed by ONE launch of the stage kernel (gather + slot mappings);
 - `gather_block_tables(...)`, `compute_slot_mappings(...)`: one launch of the stage kernel each, reading
   the tables as the last run of the consume kernel left them.
 
@@ -131,27 +130,3 @@ def capture_compute_slot_mappings(
 
 
 __all__ = ["bind", "capture_compute_slot_mappings", "capture_gather_block_tables", "capture_prepare_inputs"]
-
-
-def prepare_inputs_eager(
-    bt: BlockTables,
-    idx_mapping: Any,
-    query_start_loc: Any,
-    positions: Any,
-    num_reqs_padded: int,
-    num_tokens_padded: int,
-    is_padding: Any = None,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """`bt.prepare_inputs(...)` outside a capture, on a graph stage with `prepare_eager(stage)` (the built-in one):
-    commit what is staged, then apply every committed batch and run the stage in ONE launch, the kernel a capture
-    of the same call records (so an eager warm-up compiles it outside the capture). Inputs are checked and
-    bundled as `multiwrite.stage.prepare_inputs` does (host tensors included); nothing is committed when they
-    are refused."""
-    stage = _stage._build_common(
-        bt._stage_config, idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded, is_padding
-    ) or _stage._build(
-        bt, "prepare_inputs", idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded, is_padding
-    )
-    bt._commit_eager()
-    bt._graph.prepare_eager(stage)
-    return stage.gathered(), stage.slots()
