@@ -51,6 +51,40 @@ DO_NOT_SPECIALIZE = (
 )  # fmt: skip
 
 
+@triton.jit
+def _token_tile(t, end, lanes, pos_ptr, pad_ptr, max_tokens, num_positions, HAS_PADDING: tl.constexpr):
+    """Tokens `t + lanes` of a batch entry ending at `end`: `(tokens, inside, pos, alive)`: `inside` the entry's
+    tokens below `max_tokens`, `alive` those of them not marked as padding, `pos` their positions as int64 (0 where
+    not alive, so junk positions under padding never reach an address)."""
+    tokens = t + lanes
+    inside = (tokens < end) & (tokens >= 0) & (tokens < max_tokens)
+    pos = tl.load(pos_ptr + tokens, mask=inside & (tokens < num_positions), other=0).to(tl.int64)
+    alive = inside
+    if HAS_PADDING:
+        alive = alive & (tl.load(pad_ptr + tokens, mask=inside, other=1) == 0)
+    return tokens, inside, tl.where(alive, pos, 0), alive
+
+
+@triton.jit
+def _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE: tl.constexpr, CP_INTERLEAVE: tl.constexpr):
+    """`(column, offset, owned)` of positions `pos`: the table column of each token's kernel block (clamped into
+    the row of `width` cells), the token's offset in it, and whether this rank owns the token (`alive` ones)."""
+    if CP_SIZE == 1:
+        column = pos // kbs
+        offset = pos % kbs
+        owned = alive
+    else:
+        # ownership and the rank-local offset in manager-block coordinates (vLLM PR #51031)
+        virtual = block * CP_SIZE
+        vblock = pos // virtual
+        within = pos % virtual
+        owned = alive & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
+        local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
+        column = vblock * k + local // kbs
+        offset = local % kbs
+    return tl.minimum(tl.maximum(column, 0), width - 1), offset, owned
+
+
 def _stage_kernel_fn(
     desc_ptr,  # int64 [num_groups, DESC_COLUMNS]: per group the tables' addresses, strides and block sizes
     num_blocks_ptr,  # int32 [num_groups, max_num_reqs] (device)
@@ -103,27 +137,10 @@ def _stage_kernel_fn(
             start = tl.load(qsl_ptr + b).to(tl.int64)
             end = tl.load(qsl_ptr + b + 1).to(tl.int64)
             for t in range(start, end, BLOCK):
-                tokens = t + lanes
-                inside = (tokens < end) & (tokens >= 0) & (tokens < max_tokens)
-                pos = tl.load(pos_ptr + tokens, mask=inside & (tokens < num_positions), other=0).to(tl.int64)
-                live = inside
-                if HAS_PADDING:
-                    live = live & (tl.load(pad_ptr + tokens, mask=inside, other=1) == 0)
-                pos = tl.where(live, pos, 0)  # junk positions under padding never reach an address
-                if CP_SIZE == 1:
-                    column = pos // kbs
-                    offset = pos % kbs
-                    owned = live
-                else:
-                    # ownership and the rank-local offset in manager-block coordinates (vLLM PR #51031)
-                    virtual = block * CP_SIZE
-                    vblock = pos // virtual
-                    within = pos % virtual
-                    owned = live & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
-                    local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
-                    column = vblock * k + local // kbs
-                    offset = local % kbs
-                column = tl.minimum(tl.maximum(column, 0), width - 1)
+                tokens, inside, pos, alive = _token_tile(t, end, lanes, pos_ptr, pad_ptr, max_tokens, num_positions,
+                                                         HAS_PADDING)  # fmt: skip
+                column, offset, owned = _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE,
+                                                      CP_INTERLEAVE)  # fmt: skip
                 ids = tl.load(src_row + column, mask=owned, other=0).to(tl.int64)
                 tl.store(slots + tokens, tl.where(owned, ids * kbs + offset, PAD), mask=inside)
     elif b < num_reqs_padded:
@@ -422,29 +439,12 @@ def _fused_kernel_fn(
                 pos_ptr = pos_addr.to(tl.pointer_type(POS_DTYPE))
                 start = tl.load(qsl + b).to(tl.int64)
                 end = tl.load(qsl + b + 1).to(tl.int64)
+                pad_ptr = pad_addr.to(tl.pointer_type(tl.uint8))  # (read only with HAS_PADDING)
                 for t0 in range(start, end, BLOCK):
-                    tokens = t0 + lanes
-                    inside = (tokens < end) & (tokens >= 0) & (tokens < max_tokens)
-                    pos = tl.load(pos_ptr + tokens, mask=inside & (tokens < num_positions), other=0).to(tl.int64)
-                    alive = inside
-                    if HAS_PADDING:
-                        pad = pad_addr.to(tl.pointer_type(tl.uint8))
-                        alive = alive & (tl.load(pad + tokens, mask=inside, other=1) == 0)
-                    pos = tl.where(alive, pos, 0)  # junk positions under padding never reach an address
-                    if CP_SIZE == 1:
-                        column = pos // kbs
-                        offset = pos % kbs
-                        owned = alive
-                    else:
-                        # ownership and the rank-local offset in manager-block coordinates (vLLM PR #51031)
-                        virtual = block * CP_SIZE
-                        vblock = pos // virtual
-                        within = pos % virtual
-                        owned = alive & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
-                        local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
-                        column = vblock * k + local // kbs
-                        offset = local % kbs
-                    column = tl.minimum(tl.maximum(column, 0), width - 1)
+                    tokens, inside, pos, alive = _token_tile(t0, end, lanes, pos_ptr, pad_ptr, max_tokens,
+                                                             num_positions, HAS_PADDING)  # fmt: skip
+                    column, offset, owned = _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE,
+                                                          CP_INTERLEAVE)  # fmt: skip
                     ids = tl.load(src_row + column, mask=owned, other=0)
                     if written:
                         ids = _overlay(ids, column, owned, seg_start, seg_len, seg_voff, values, num_values, MAX_R)
