@@ -355,24 +355,32 @@ static PyObject *stage_one(Stager *self, PyObject *req, PyObject *ids, int overw
     }
 }
 
-static PyObject *stager_call_owned(Stager *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+/* The three parameters (first one named `first`, then new_block_ids, overwrite) of a vectorcall into params[];
+ * 0 when they do not bind (more than three, a name unknown or given twice): the Python method then says why.
+ * A parameter not given stays NULL. */
+static int bind_params(PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *first, PyObject **params) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *params[3] = {NULL, NULL, NULL};
+    params[0] = params[1] = params[2] = NULL;
     if (nargs > 3)
-        return stager_slow(self, self->slow, args, nargsf, kwnames);
+        return 0;
     for (Py_ssize_t i = 0; i < nargs; i++)
         params[i] = args[i];
-    if (kwnames != NULL) {
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
-            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
-            int at = name_is(name, s_k_req) ? 0 : name_is(name, s_k_ids) ? 1 : name_is(name, s_k_overwrite) ? 2 : -1;
-            if (at < 0 || params[at] != NULL) /* unknown or given twice: the Python method says so */
-                return stager_slow(self, self->slow, args, nargsf, kwnames);
-            params[at] = args[nargs + i];
-        }
+    for (Py_ssize_t i = 0; kwnames != NULL && i < PyTuple_GET_SIZE(kwnames); i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        int at = name_is(name, first) ? 0 : name_is(name, s_k_ids) ? 1 : name_is(name, s_k_overwrite) ? 2 : -1;
+        if (at < 0 || params[at] != NULL)
+            return 0;
+        params[at] = args[nargs + i];
     }
-    if (params[0] == NULL || params[1] == NULL || (params[2] != Py_True && params[2] != Py_False))
-        return stager_slow(self, self->slow, args, nargsf, kwnames); /* missing, or not a bool overwrite */
+    return 1;
+}
+
+static PyObject *stager_call_owned(Stager *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *params[3];
+    /* unbound, missing, or an overwrite that is not a bool: the Python method */
+    if (!bind_params(args, nargsf, kwnames, s_k_req, params) || params[0] == NULL || params[1] == NULL ||
+        (params[2] != Py_True && params[2] != Py_False))
+        return stager_slow(self, self->slow, args, nargsf, kwnames);
     return stage_one(self, params[0], params[1], params[2] == Py_True, args, nargsf, kwnames);
 }
 
@@ -390,21 +398,9 @@ static PyObject *stager_call(Stager *self, PyObject *const *args, size_t nargsf,
  * one length (and a bool or such a sequence of bools) are staged call by call in C; anything else goes whole to
  * the Python method, which checks it. */
 static PyObject *stager_batch_owned(Stager *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *params[3] = {NULL, NULL, NULL};
-    if (nargs > 3)
+    PyObject *params[3];
+    if (!bind_params(args, nargsf, kwnames, s_k_reqs, params))
         return stager_slow(self, self->slow_batch, args, nargsf, kwnames);
-    for (Py_ssize_t i = 0; i < nargs; i++)
-        params[i] = args[i];
-    if (kwnames != NULL) {
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++) {
-            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
-            int at = name_is(name, s_k_reqs) ? 0 : name_is(name, s_k_ids) ? 1 : name_is(name, s_k_overwrite) ? 2 : -1;
-            if (at < 0 || params[at] != NULL) /* unknown or given twice: the Python method says so */
-                return stager_slow(self, self->slow_batch, args, nargsf, kwnames);
-            params[at] = args[nargs + i];
-        }
-    }
     PyObject *reqs = params[0], *ids = params[1], *ow = params[2];
     if (reqs == NULL || ids == NULL || ow == NULL || !(PyList_CheckExact(reqs) || PyTuple_CheckExact(reqs)) ||
         !(PyList_CheckExact(ids) || PyTuple_CheckExact(ids)))
