@@ -312,6 +312,11 @@ class BlockTables:
         kernel block ids go after the row's current `num_blocks` (a running request). A group with no new
         ids stages nothing when appending, and resets the row's count when overwriting.
 
+        Where the C helper is built (`multiwrite/_cstaging.c`), each `BlockTables` replaces this method on
+        itself by a C callable with the same arguments, checks and results, which hands every call it does not
+        take (an unusual type, a bad value, a non-bool `overwrite`) to this method; a subclass that overrides
+        the method keeps its override.
+
         Args:
             req_index: the request's row, `0 <= req_index < max_num_reqs`.
             new_block_ids: `num_groups` lists (or 1-D int arrays) of manager block ids `>= 0`.
