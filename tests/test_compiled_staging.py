@@ -33,7 +33,8 @@ def _tables(**kw) -> BlockTables:
 
 
 def _python_tables(monkeypatch: pytest.MonkeyPatch, **kw) -> BlockTables:
-    """Tables built with every compiled path switched off."""
+    """Tables built with the compiled `append_block_ids` and graph commit switched off (the lent ring's rotation
+    is a module-level choice: the `staging` fixture switches it off)."""
     with monkeypatch.context() as m:
         m.setattr(block_tables_module, "_stage_block_ids", None)
         m.setattr(block_tables_module, "_commit_graph", None)
@@ -297,10 +298,7 @@ def _graph_pair(monkeypatch):
     compiled = _triton_tables(cuda_graphs=True)
     from multiwrite.backends.triton_cuda import TritonCudaBackend
 
-    with monkeypatch.context() as m:
-        m.setattr(block_tables_module, "_stage_block_ids", None)
-        m.setattr(block_tables_module, "_commit_graph", None)
-        python = _tables(backend=TritonCudaBackend(ring_depth=4), cuda_graphs=True)
+    python = _python_tables(monkeypatch, backend=TritonCudaBackend(ring_depth=4), cuda_graphs=True)
     assert compiled._fast_commit is not None and python._fast_commit is None
     return compiled, python
 
