@@ -14,8 +14,12 @@ steps (at most 256 staged values) after 50 warm-up steps:
   - with --stage, the same for the whole captured stage, `prepare_inputs` (apply, gather, slot mappings) over
     persistent input buffers: decode steps replay a graph captured for C requests and C tokens (the bucket an
     engine would use), other steps one captured for C requests and the whole token budget; the device time
-    added is measured on decode steps.
-The device is synchronized after each step, outside the timed regions.
+    added is measured on decode steps. Where the stage kernel is a programmatic dependent launch of the consume
+    kernel (sm_90+), a second decode graph captured with it as a plain launch is timed in turn with the others.
+The device is synchronized after each step, outside the timed regions. Each timed replay is queued behind
+about 50 us of device work (`torch.cuda._sleep`) recorded before its start event, so the events time the graph's
+device work only, not the host's `graph.replay()` call (whose cost grows with the graph's nodes and with host
+load, and which an engine running ahead of the device hides the same way).
 """
 
 from __future__ import annotations
@@ -39,6 +43,16 @@ from multiwrite.workload import (
 
 WARMUP = 50
 DECODE_VALUES = 256
+#: Spin cycles queued before each timed replay: ~50 us at the H200's 1.98 GHz, more than a graph launch takes.
+QUEUE_CYCLES = 100_000
+
+
+def _timed_replay(graph: torch.cuda.CUDAGraph, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    """Replay `graph` between `start` and `end`, queued behind busy device work (see the module docstring)."""
+    torch.cuda._sleep(QUEUE_CYCLES)
+    start.record()
+    graph.replay()
+    end.record()
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
@@ -82,9 +96,7 @@ def measure(concurrency: int, steps: int) -> dict[str, float]:
         if graph is g_without:
             g_with.replay()  # consume this step's batch outside the timed replay
             torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
+        _timed_replay(graph, start, end)
         torch.cuda.synchronize()
         if i >= WARMUP and decode:
             step_ns.append(t2 - t0)
@@ -132,8 +144,14 @@ def measure_stage(concurrency: int, steps: int) -> dict[str, float]:
         bt.prepare_inputs(*decode_args)
 
     g_decode, g_full, g_without = _graph(with_stage), _graph(lambda: bt.prepare_inputs(*full_args)), _graph(floor)
+    # The same decode graph with the stage kernel as a plain launch (where the default is PDL), timed in turn.
+    pdl = bt._graph.pdl
+    bt._graph.pdl = False
+    g_plain = _graph(with_stage) if pdl else None
+    bt._graph.pdl = pdl
+    timed_graphs = [g_decode, g_without] + ([g_plain] if pdl else [])
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with_us, without_us = [], []
+    times: dict = {g: [] for g in timed_graphs}
     for i, step in enumerate(replay_schedule(load_trace(), block_sizes, C, steps)):
         for req, ids, overwrite in step.calls:
             bt.append_block_ids(req, ids, overwrite)
@@ -152,23 +170,25 @@ def measure_stage(concurrency: int, steps: int) -> dict[str, float]:
         torch.ge(tokens, total, out=pad)
         torch.cuda.synchronize()
         timed = step.is_decode and i >= WARMUP
-        graph = g_decode if step.is_decode else g_full
-        if timed and i % 2:
-            graph = g_without
+        graph = timed_graphs[i % len(timed_graphs)] if timed else g_decode if step.is_decode else g_full
+        if graph is g_without:
             g_decode.replay()  # consume this step's batch outside the timed replay
             torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
+        _timed_replay(graph, start, end)
         torch.cuda.synchronize()
         if timed:
-            (without_us if graph is g_without else with_us).append(start.elapsed_time(end) * 1e3)
-    return {
-        "decode steps": len(with_us) + len(without_us),
-        "graph with prepare_inputs us": statistics.median(with_us),
-        "graph without us": statistics.median(without_us),
-        "device time added us": statistics.median(with_us) - statistics.median(without_us),
+            times[graph].append(start.elapsed_time(end) * 1e3)
+    without = statistics.median(times[g_without])
+    result = {
+        "decode steps": sum(len(t) for t in times.values()),
+        "PDL": pdl,
+        "graph with prepare_inputs us": statistics.median(times[g_decode]),
+        "graph without us": without,
+        "device time added us": statistics.median(times[g_decode]) - without,
     }
+    if pdl:
+        result["without PDL: device time added us"] = statistics.median(times[g_plain]) - without
+    return result
 
 
 def main() -> None:
