@@ -4,10 +4,12 @@ Why a header ring. A captured launch replays with the arguments it was captured 
 cannot be told per step where that step's writes are; and it cannot simply read "whatever is staged"
 either: a replay runs asynchronously, long after `graph.replay()` returned, while the host is already
 staging the next step into the arena. So the host closes each step's batch with ONE host call,
-`BlockTables.commit_staged_writes()`, which writes a header (where the batch's metadata and values sit in
-the pinned ring slot it was staged into, how many writes and values, the slot's completion word and token)
-into the next entry of a pinned header ring, and rotates the arena to a fresh slot. No launch, no driver
-call: host work per step is staging plus writing that header.
+`BlockTables.commit_staged_writes()`, which writes a header into the next entry of a pinned header ring.
+A decode-sized batch (one round, at most `FEW_WRITES` writes and `PRELOADED_VALUES` values: every decode step
+of the real trace at C=40 and C=256) is copied INTO the entry, after the header words, and the arena keeps
+its slot. A bigger one (a prefill) stays in the pinned ring slot it was staged into: the header says where
+its metadata and values sit, with the slot's completion word and token, and the arena rotates to a fresh
+slot. No launch, no driver call: host work per step is staging plus writing that entry.
 
 Which headers a run consumes. The captured kernel keeps a device-side count of consumed headers and, per
 run, applies exactly ONE header: the next one, if the host has published it (its sequence word says so),
@@ -21,18 +23,20 @@ the graph) commits and launches the same kernel with an explicit limit: it appli
 so far, in order; a later replay finding no new header does nothing.
 
 The slot guard stays exact: the kernel stores each consumed header's token into the completion word of
-the ring slot the batch was staged in (the lent ring of `triton_kernel`), so the host reuses a slot, and
-a header entry, only once the batch in it has been applied. A commit that finds the ring full of
-committed batches no run has consumed yet waits, warns (`RingWaitWarning`, saying that a replay or an
+the ring slot a batch was left in (the lent ring of `triton_kernel`), so the host reuses a slot only once
+the batch in it has been applied; and the host rewrites a header entry only once the device's consumed count
+(a pinned word the kernel stores after its last read of the entry) has passed it. A commit that finds the
+ring full of committed batches no run has consumed yet (all `depth` entries, or for a batch left in its
+slot, the next slot) waits, warns (`RingWaitWarning`, saying that a replay or an
 eager apply is needed), and after the writer's timeout synchronizes the device and raises `RingStallError`.
 
 The kernel is one program (writes of one header in parallel lanes, headers and overlap rounds one after
-the other, separated by barriers), reads the whole header ring in one volatile load, then metadata and
-values over unified virtual addressing. Every dependent load from host memory waits for a round trip over
-PCIe (the captured apply measured 5.6 us of device time at C=40 and 20.8 us at C=256 on the H200 when it
-took one per tile of 16 writes), so a decode-sized batch (one round, at most `FEW_WRITES` writes, at most
-`PRELOADED_VALUES` values) has ALL its metadata loaded at once, in parallel with its values (both addresses
-are in the header): ring -> metadata and values -> stores, two round trips in all; bigger batches and
+the other, separated by barriers). It reads its consumed count from device memory, then the whole entry of
+the next header over unified virtual addressing. Every dependent load from host memory waits for a round
+trip over PCIe, about 1.5 us on the H200 for a wide load, 4 us for a one-word volatile load replicated over
+the program's threads (`benchmarks/h200-2026-12-01b/uva-latency.txt`), so an inline batch costs ONE round
+trip: count -> entry -> stores. A decode-sized batch left in its slot (overlapping writes in one round) loads
+its metadata and values together (both addresses are in the header): two round trips; bigger batches and
 batches with several rounds go tile by tile (16 writes a tile, one round trip each). It finds each write's
 table through a descriptor table built once: a graph-mode `BlockTables` can never replace or resize its
 tables, so the descriptors' address is fixed for good.
@@ -44,6 +48,7 @@ import contextlib
 import time
 import warnings
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -63,24 +68,33 @@ from multiwrite.errors import BackendUnavailableError
 from multiwrite.stage import StageInputs
 from multiwrite.staging import StagingArena
 
-#: int64 words of one header entry: (sequence, meta address, values address, bounds address, completion
-#: word address, token, num_writes | num_rounds << 32, num_values). Sequence `h + 1` publishes header `h`.
-HEADER_WORDS = 8
-(H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, H_COUNTS, H_NUM_VALUES) = range(HEADER_WORDS)
+#: int64 words of a header: (sequence, meta address, values address, bounds address, completion word address,
+#: token, num_writes | num_rounds << 32 | INLINE, num_values). Sequence `h + 1` publishes header `h`.
+HEADER_WORDS: tl.constexpr = tl.constexpr(8)
+(H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, H_COUNTS, H_NUM_VALUES) = range(8)
 #: Values of at most this many cells (a decode step) are loaded whole, with the metadata.
 PRELOADED_VALUES: tl.constexpr = tl.constexpr(256)
 #: A batch of one round with at most this many writes (and at most PRELOADED_VALUES values: a decode step, e.g.
-#: about 87 writes at C=256 on G3) has all its metadata loaded at once, with its values; its writes are done
-#: FEW_CELLS cells at a time from registers (decode writes are 1-3 cells).
+#: 85 writes (median; at most 129) at C=256 on G3) has all its metadata loaded at once, with its values; its writes
+#: are done FEW_CELLS cells at a time from registers (decode writes are 1-3 cells).
 FEW_WRITES: tl.constexpr = tl.constexpr(256)
 FEW_CELLS: tl.constexpr = tl.constexpr(4)
+#: Such a batch without overlapping writes is committed INLINE: its metadata (int32 [num_writes, 5]) and values
+#: (int32) are copied into the header's entry, at int32 offsets 0 and INLINE_META after the header words, so the
+#: kernel gets header and batch in one round trip and never reads the ring slot (which the arena keeps).
+INLINE_META: tl.constexpr = tl.constexpr(FEW_WRITES * 5)
+INLINE = 1 << 48
+#: int64 words of one entry of the header ring: the header, then the inline batch.
+ENTRY_WORDS: tl.constexpr = tl.constexpr(8 + (FEW_WRITES * 5 + PRELOADED_VALUES) // 2)
+#: Words of the entry loaded with the header (its first words): one lane per thread of the kernel at least.
+HEAD_LANES: tl.constexpr = tl.constexpr(128)
 DO_NOT_SPECIALIZE = ("desc_addr", "headers_addr", "state_addr", "mirror_addr", "limit", "num_tables")
 BLOCK_W, BLOCK_L, NUM_WARPS = 16, 64, 4
 
 
 def _consume_kernel_fn(
     desc_addr: tl.int64,  # device int64 [num_tables, 5]: base address, row stride, column stride, rows, columns
-    headers_addr: tl.int64,  # pinned int64 [DEPTH, HEADER_WORDS]
+    headers_addr: tl.int64,  # pinned int64 [DEPTH, ENTRY_WORDS]
     state_addr: tl.int64,  # device int64 [2]: headers consumed, runs that found no header
     mirror_addr: tl.int64,  # pinned int64 [2]: the same two counts, for the host
     limit: tl.int64,  # consume headers up to this count (eager launch), or -1: the next header only (captured)
@@ -89,8 +103,11 @@ def _consume_kernel_fn(
     NT: tl.constexpr,  # a power of two >= num_tables: every descriptor is loaded up front
     BLOCK_W: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let a programmatic dependent launch (the captured stage kernel) start now
 ):
     """Apply the published, unconsumed headers' batches in order (see the module docstring)."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     desc = desc_addr.to(tl.pointer_type(tl.int64))
     headers = headers_addr.to(tl.pointer_type(tl.int64))
     state = state_addr.to(tl.pointer_type(tl.int64))
@@ -103,52 +120,66 @@ def _consume_kernel_fn(
     col_stride_all = tl.load(d_all + 2, mask=t_ok, other=0)
     rows_all = tl.load(d_all + 3, mask=t_ok, other=0)
     cols_all = tl.load(d_all + 4, mask=t_ok, other=0)
-    lanes_h = tl.arange(0, 8)
-    lanes_d = tl.arange(0, DEPTH)
+    lanes_e = tl.arange(0, HEAD_LANES)
     lanes_w = tl.arange(0, BLOCK_W)
     lanes_l = tl.arange(0, BLOCK_L)
     lanes_v = tl.arange(0, PRELOADED_VALUES)
     lanes_f = tl.arange(0, FEW_WRITES)
     lanes_c = tl.arange(0, FEW_CELLS)
-    # The whole header ring at once, at the same time as the consumed count (no dependent round trip over
-    # PCIe). Every header a run may consume was published before the run was issued (a captured run takes
-    # the next one only if already published), so this one read sees all of them.
-    ring = tl.load(headers + lanes_d[:, None] * 8 + lanes_h[None, :], volatile=True)
     first = tl.load(state)
     idle = tl.load(state + 1)
     end = tl.where(limit < 0, first + 1, limit)
     ok = first < end
     n = first * 0
     for h in range(first, end):
-        hdr = tl.sum(tl.where(lanes_d[:, None] == h % DEPTH, ring, 0), axis=0)
-        seq = tl.sum(tl.where(lanes_h == 0, hdr, 0), axis=0)
+        # Header h's entry: its words, and the inline batch a decode-sized commit copied into it, in ONE set of
+        # loads (one round trip over PCIe), issued as soon as the consumed count (device memory) is known. The
+        # header words come with the first HEAD_LANES words of the entry: a load of at least one lane per thread
+        # (a volatile load of fewer lanes is replicated across threads, and each copy crosses PCIe on its own).
+        entry = headers + (h % DEPTH) * ENTRY_WORDS
+        head = tl.load(entry + lanes_e, volatile=True)
+        # The inline batch: not volatile (a volatile load is not coalesced: one PCIe read per lane, 3x slower on
+        # the H200 for these strided columns). It is only used when the header's sequence word says it was
+        # published, and a published entry was written before the run was issued (like a ring slot's batch).
+        inline_meta = (entry + HEADER_WORDS).to(tl.pointer_type(tl.int32)) + lanes_f * 5
+        i_t = tl.load(inline_meta + 0, cache_modifier=".cv")
+        i_row = tl.load(inline_meta + 1, cache_modifier=".cv")
+        i_start = tl.load(inline_meta + 2, cache_modifier=".cv")
+        i_length = tl.load(inline_meta + 3, cache_modifier=".cv")
+        i_voff = tl.load(inline_meta + 4, cache_modifier=".cv")
+        i_values = tl.load((entry + HEADER_WORDS).to(tl.pointer_type(tl.int32)) + INLINE_META + lanes_v,
+                           cache_modifier=".cv")  # fmt: skip
+        seq = tl.sum(tl.where(lanes_e == 0, head, 0), axis=0)
         ok = ok & (seq == h + 1)
         if ok:
-            meta = tl.sum(tl.where(lanes_h == 1, hdr, 0), axis=0).to(tl.pointer_type(tl.int32))
-            values = tl.sum(tl.where(lanes_h == 2, hdr, 0), axis=0).to(tl.pointer_type(tl.int32))
-            bounds = tl.sum(tl.where(lanes_h == 3, hdr, 0), axis=0).to(tl.pointer_type(tl.int32))
-            done_word = tl.sum(tl.where(lanes_h == 4, hdr, 0), axis=0)
-            token = tl.sum(tl.where(lanes_h == 5, hdr, 0), axis=0).to(tl.int32)
-            counts = tl.sum(tl.where(lanes_h == 6, hdr, 0), axis=0)
-            num_values = tl.sum(tl.where(lanes_h == 7, hdr, 0), axis=0).to(tl.int32)
+            meta = tl.sum(tl.where(lanes_e == 1, head, 0), axis=0).to(tl.pointer_type(tl.int32))
+            values = tl.sum(tl.where(lanes_e == 2, head, 0), axis=0).to(tl.pointer_type(tl.int32))
+            bounds = tl.sum(tl.where(lanes_e == 3, head, 0), axis=0).to(tl.pointer_type(tl.int32))
+            done_word = tl.sum(tl.where(lanes_e == 4, head, 0), axis=0)
+            token = tl.sum(tl.where(lanes_e == 5, head, 0), axis=0).to(tl.int32)
+            counts = tl.sum(tl.where(lanes_e == 6, head, 0), axis=0)
+            num_values = tl.sum(tl.where(lanes_e == 7, head, 0), axis=0).to(tl.int32)
             num_writes = (counts & 0xFFFFFFFF).to(tl.int32)
-            num_rounds = (counts >> 32).to(tl.int32)
+            num_rounds = ((counts >> 32) & 0xFFFF).to(tl.int32)
+            inline = ((counts >> 48) & 1) != 0
             multi = num_rounds > 1
             small = num_values <= PRELOADED_VALUES
-            # A decode-sized batch (one round, few writes, few values): ALL its metadata in one set of loads,
-            # issued together with the values' load (both addresses come from the header), so the batch costs
-            # one round trip over PCIe instead of one per tile of writes; the writes are then done from
-            # registers. Anything else: the rounds and tiles below.
+            # A decode-sized batch (one round, few writes, few values): ALL its metadata at once, with its values,
+            # and its writes done from registers. Inline (the common case), both came with the header; else both
+            # are loaded from the ring slot together (both addresses come from the header: one more round trip).
+            # Anything else: the rounds and tiles below.
             few = small & (num_rounds == 1) & (num_writes <= FEW_WRITES)
             f_live = lanes_f < num_writes * few.to(tl.int32)  # (a scalar mask factor trips the interpreter)
+            from_slot = f_live & (lanes_f < num_writes * (1 - inline.to(tl.int32)))
             f_meta = meta + lanes_f * 5
-            f_t = tl.load(f_meta + 0, mask=f_live, other=-1, cache_modifier=".cv")
-            f_row = tl.load(f_meta + 1, mask=f_live, other=-1, cache_modifier=".cv")
-            f_start = tl.load(f_meta + 2, mask=f_live, other=-1, cache_modifier=".cv")
-            f_length = tl.load(f_meta + 3, mask=f_live, other=0, cache_modifier=".cv")
-            f_voff = tl.load(f_meta + 4, mask=f_live, other=0, cache_modifier=".cv")
-            preload = num_values * small.to(tl.int32)
+            f_t = tl.where(inline, i_t, tl.load(f_meta + 0, mask=from_slot, other=-1, cache_modifier=".cv"))
+            f_row = tl.where(inline, i_row, tl.load(f_meta + 1, mask=from_slot, other=-1, cache_modifier=".cv"))
+            f_start = tl.where(inline, i_start, tl.load(f_meta + 2, mask=from_slot, other=-1, cache_modifier=".cv"))
+            f_length = tl.where(inline, i_length, tl.load(f_meta + 3, mask=from_slot, other=0, cache_modifier=".cv"))
+            f_voff = tl.where(inline, i_voff, tl.load(f_meta + 4, mask=from_slot, other=0, cache_modifier=".cv"))
+            preload = num_values * small.to(tl.int32) * (1 - inline.to(tl.int32))
             values_all = tl.load(values + lanes_v, mask=lanes_v < preload, other=0, cache_modifier=".cv")
+            values_all = tl.where(inline, i_values, values_all)
             if few:
                 live = f_live & (f_t >= 0) & (f_t < num_tables) & (f_row >= 0) & (f_start >= 0) & (f_length > 0)
                 pick = f_t[:, None] == lanes_t[None, :]
@@ -231,6 +262,32 @@ def compilable_consume_kernel() -> triton.runtime.JITFunction:
 _NO_GUARD = contextlib.nullcontext()
 
 
+def _c_layout() -> bool:
+    """Whether the built `multiwrite._cstaging` lays out header entries as this module does (an extension built
+    from an older source falls back to the Python commit)."""
+    try:
+        from multiwrite import _cstaging
+    except ImportError:
+        return False
+    layout = (ENTRY_WORDS.value, FEW_WRITES.value, PRELOADED_VALUES.value)
+    return layout == tuple(getattr(_cstaging, n, None) for n in ("GRAPH_ENTRY_WORDS", "GRAPH_INLINE_WRITES",
+                                                                "GRAPH_INLINE_VALUES"))  # fmt: skip
+
+
+_C_LAYOUT = _c_layout()
+
+
+def _pdl_capable(writer: TritonWriter) -> bool:
+    """Whether the captured stage kernel may be a programmatic dependent launch of the consume kernel: compiled
+    code (not the interpreter) for an NVIDIA GPU of compute capability 9.0 or newer (`griddepcontrol`, PTX ISA 7.8),
+    with a Triton that has `gdc_wait` and the `launch_pdl` option (3.4 and newer)."""
+    if INTERPRETED or not writer.is_gpu or torch.version.hip is not None:
+        return False
+    if not hasattr(tl.extra.cuda, "gdc_wait"):  # pragma: no cover - Triton < 3.4
+        return False
+    return torch.cuda.get_device_capability(writer._index) >= (9, 0)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -242,10 +299,12 @@ class CapturedStage:
     `launch()` is exactly what the capture recorded and what every replay runs: with `consume` (a captured
     `prepare_inputs`), the consume kernel for the next committed batch (`GraphStage.launch(-1)`), then ONE
     launch of the stage kernel (`triton_stage.launch_stage`: gather and/or slot mappings) with the
-    `GraphStage`'s own stage descriptors and scratch buffer. Every argument of both launches is fixed:
-    addresses of the tables, the persistent outputs, and the step's input tensors given at capture (their
-    VALUES are read when the launch runs: the engine's persistent input buffers), plus `num_reqs`,
-    `num_reqs_padded`, `num_tokens_padded` and the input lengths, fixed at capture.
+    `GraphStage`'s own stage descriptors and scratch buffer. After the consume kernel, on an sm_90+ GPU
+    (`GraphStage.pdl`), the stage kernel is a programmatic dependent launch: its programs start while the
+    consume kernel runs, read the step's inputs, and wait (`griddepcontrol.wait`) only before reading the tables.
+    Every argument of both launches is fixed: addresses of the tables, the persistent outputs, and the step's
+    input tensors given at capture (their VALUES are read when the launch runs: the engine's persistent input
+    buffers), plus `num_reqs`, `num_reqs_padded`, `num_tokens_padded` and the input lengths, fixed at capture.
 
     Attributes:
         graph: the `GraphStage`.
@@ -266,7 +325,8 @@ class CapturedStage:
         if self.consume:
             graph.launch(-1)
         with graph.device_guard():
-            launch_stage(self.stage, desc=graph.stage_desc, scratch=graph.stage_scratch)
+            pdl = self.consume and graph.pdl
+            launch_stage(self.stage, desc=graph.stage_desc, scratch=graph.stage_scratch, pdl=pdl)
 
 
 class GraphStage:
@@ -284,14 +344,18 @@ class GraphStage:
         published: headers committed so far (host count).
         consumed: headers the device has consumed, as last stored into a pinned word (may lag).
         idle_runs: captured runs (replays) that found no new header (as last stored).
+        pdl: whether captures launch the stage kernel as a programmatic dependent launch of the consume kernel
+            (NVIDIA, compute capability 9.0 or newer, compiled Triton). Read at each capture: setting it to False
+            before a capture records the plain two launches (for A/B measurements).
 
     Raises:
         BackendUnavailableError: the writer guards its slots with CUDA events (`guard="event"`): a captured
             launch cannot record one, so graph mode needs the kernel guard.
     """
 
-    #: `BlockTables.commit_staged_writes` may use `multiwrite._cstaging.commit_graph` on this object.
-    C_COMMIT = True
+    #: `BlockTables.commit_staged_writes` may use `multiwrite._cstaging.commit_graph` on this object (it writes
+    #: the entries this module lays out: only where the built extension has the same layout).
+    C_COMMIT = _C_LAYOUT
 
     def __init__(self, writer: TritonWriter, tables: list[torch.Tensor], lender: _LentRing):
         if not writer._kernel_guard:
@@ -308,13 +372,17 @@ class GraphStage:
                 f"BlockTables(cuda_graphs=True) needs a Triton ring depth of at least 2 "
                 f"(MULTIWRITE_TRITON_RING_DEPTH), got {self.ring.depth}: a commit hands the arena the next slot"
             )
-        # Header entries: a power of two (the kernel loads the whole ring at once) >= the slots of the ring,
-        # which bound the committed, unconsumed batches to `ring.depth - 1`.
+        # Header entries: a power of two >= the slots of the ring. Committed, unconsumed batches: at most `depth`
+        # (entries), and at most `ring.depth - 1` of them left in ring slots.
         self.depth = depth = _pow2(self.ring.depth)
         pin = writer.is_gpu
         device = writer.device
-        self.headers_t = torch.zeros(depth * HEADER_WORDS, dtype=torch.int64, pin_memory=pin)
+        self.headers_t = torch.zeros(depth * ENTRY_WORDS.value, dtype=torch.int64, pin_memory=pin)
         self.headers = self.headers_t.numpy()
+        # Each entry's inline batch (see INLINE_META), as int32 views: metadata [FEW_WRITES, 5], values.
+        entries32 = self.headers.reshape(depth, ENTRY_WORDS.value).view(np.int32)[:, 2 * HEADER_WORDS.value :]
+        self.inline_meta = entries32[:, : INLINE_META.value].reshape(depth, FEW_WRITES.value, 5)
+        self.inline_values = entries32[:, INLINE_META.value : INLINE_META.value + PRELOADED_VALUES.value]
         self._hv = memoryview(self.headers)  # type: ignore[arg-type]  # int64 stores without numpy scalars
         self.mirror_t = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
         self.mirror = self.mirror_t.numpy()
@@ -338,7 +406,11 @@ class GraphStage:
             self.state.data_ptr(),
             self.mirror_t.data_ptr(),
         )
-        self._consts = {"DEPTH": depth, "NT": max(2, _pow2(self.num_tables)), "BLOCK_W": BLOCK_W, "BLOCK_L": BLOCK_L}
+        self.pdl = _pdl_capable(writer)
+        self._consts = {
+            "DEPTH": depth, "NT": max(2, _pow2(self.num_tables)), "BLOCK_W": BLOCK_W, "BLOCK_L": BLOCK_L,
+            "LAUNCH_DEPENDENTS": self.pdl,
+        }  # fmt: skip
         # The stage (gather, slot mappings) of captured stage calls: descriptors and scratch of its own, built
         # once outside any capture (`bind_stage`), and every capture's inputs, alive as long as this object.
         self.stage_desc: torch.Tensor | None = None
@@ -368,22 +440,32 @@ class GraphStage:
         h = self.published
         ring = self.ring
         w = arena.num_writes
-        if w:
+        num_values = arena.num_values
+        rounds = 1
+        if w and arena.may_overlap:  # writes of one (table, row) land in staging order: rounds, as the writer does
+            meta, bounds = overlap_rounds(arena.meta[:w])
+            arena.meta[:w] = meta
+            rounds = bounds.shape[0] - 1
+        inline = 0 < w and rounds == 1 and w <= FEW_WRITES.value and num_values <= PRELOADED_VALUES.value
+        if w and not inline:
             i = self.lender.current
             nxt = ring.succ[i]
             if ring.done_mv[nxt] != ring.tokens[nxt]:  # the slot the arena rotates into holds an unconsumed batch
                 self._wait(lambda: ring._released(nxt), h)
-        if self._mirror_mv[0] < h - self.depth + 1:  # (only without writes: the slot check above is stricter)
+        if self._mirror_mv[0] < h - self.depth + 1:  # the entry still holds a header no run consumed
             self._wait(lambda: self.consumed >= h - self.depth + 1, h)
         hv = self._hv
-        b = (h % self.depth) * HEADER_WORDS
-        if w:
+        e = h % self.depth
+        b = e * ENTRY_WORDS.value
+        if inline:  # the batch travels in the entry: the arena keeps its slot (the kernel never reads it)
+            self.inline_meta[e, :w] = arena.meta[:w]
+            self.inline_values[e, :num_values] = arena.values[:num_values]
+            hv[b + H_META] = hv[b + H_VALUES] = hv[b + H_BOUNDS] = hv[b + H_DONE] = hv[b + H_TOKEN] = 0
+            hv[b + H_COUNTS] = w | 1 << 32 | INLINE
+            hv[b + H_NUM_VALUES] = num_values
+        elif w:
             slot = ring.slots[i]
-            rounds = 1
-            if arena.may_overlap:  # writes of one (table, row) land in staging order: rounds, as the writer does
-                meta, bounds = overlap_rounds(arena.meta[:w])
-                arena.meta[:w] = meta
-                rounds = bounds.shape[0] - 1
+            if rounds > 1:
                 slot.bounds[: rounds + 1] = bounds
             token = ring.tokens[i] % 0x7FFFFFFF + 1  # (`ring.next_token(i)`, inlined)
             ring.tokens[i] = token
@@ -393,14 +475,16 @@ class GraphStage:
             hv[b + H_DONE] = ring.done_addr[i]
             hv[b + H_TOKEN] = token
             hv[b + H_COUNTS] = w | rounds << 32
-            hv[b + H_NUM_VALUES] = arena.num_values
+            hv[b + H_NUM_VALUES] = num_values
         else:
             hv[b + H_DONE] = 0
             hv[b + H_COUNTS] = 0
             hv[b + H_NUM_VALUES] = 0
         hv[b + H_SEQ] = h + 1  # last: publishes the header (x86 stores reach the device in program order)
         self.published = h + 1
-        if w:
+        if inline:
+            arena.clear()
+        elif w:
             arena.clear()
             arena.rotate()  # the next slot, free (checked above)
         return h

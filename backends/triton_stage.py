@@ -107,6 +107,7 @@ def _stage_kernel_fn(
     DO_GATHER: tl.constexpr,
     DO_SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the consume kernel (graph mode, sm_90+)
 ):
     g = tl.program_id(0)
     b = tl.program_id(1)
@@ -124,19 +125,32 @@ def _stage_kernel_fn(
         req = tl.minimum(tl.maximum(tl.load(idx_ptr + b).to(tl.int64), 0), max_num_reqs - 1)
         src_row = src + req * src_stride
         dst_row = dst + b.to(tl.int64) * dst_stride
-        if DO_GATHER:
-            count = tl.load(num_blocks_ptr + g * nb_stride + req)
-            for c in range(0, count, BLOCK):
-                cols = c + lanes
-                keep = cols < count
-                tl.store(dst_row + cols, tl.load(src_row + cols, mask=keep), mask=keep)
         if DO_SLOTS:
+            # The entry's first token tile, from the step's inputs only: with PDL this runs while the consume
+            # kernel still applies the step's writes (the inputs were written before the consume kernel began).
             block = tl.load(desc + 5)
             kbs = tl.load(desc + 6)
             k = tl.load(desc + 7)
             start = tl.load(qsl_ptr + b).to(tl.int64)
             end = tl.load(qsl_ptr + b + 1).to(tl.int64)
-            for t in range(start, end, BLOCK):
+            tokens, inside, pos, alive = _token_tile(start, end, lanes, pos_ptr, pad_ptr, max_tokens, num_positions,
+                                                     HAS_PADDING)  # fmt: skip
+            column, offset, owned = _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE, CP_INTERLEAVE)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # the consume kernel's table and num_blocks stores are visible from here on
+        if DO_GATHER:
+            # The first BLOCK cells are read together with the count, not after it (one dependent load less).
+            count = tl.load(num_blocks_ptr + g * nb_stride + req)
+            head = tl.load(src_row + lanes, mask=lanes < width)
+            tl.store(dst_row + lanes, head, mask=lanes < count)
+            for c in range(BLOCK, count, BLOCK):
+                cols = c + lanes
+                keep = cols < count
+                tl.store(dst_row + cols, tl.load(src_row + cols, mask=keep), mask=keep)
+        if DO_SLOTS:
+            ids = tl.load(src_row + column, mask=owned, other=0).to(tl.int64)
+            tl.store(slots + tokens, tl.where(owned, ids * kbs + offset, PAD), mask=inside)
+            for t in range(start + BLOCK, end, BLOCK):
                 tokens, inside, pos, alive = _token_tile(t, end, lanes, pos_ptr, pad_ptr, max_tokens, num_positions,
                                                          HAS_PADDING)  # fmt: skip
                 column, offset, owned = _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE,
@@ -202,7 +216,9 @@ def _descriptor_table(stage: StageInputs) -> torch.Tensor:
     return desc
 
 
-def launch_stage(stage: StageInputs, *, desc: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+def launch_stage(
+    stage: StageInputs, *, desc: torch.Tensor | None = None, scratch: torch.Tensor | None = None, pdl: bool = False
+) -> None:
     """The jobs `stage` asks for (gather, slot mappings, or both) in one launch on the current stream.
 
     Leaves `input_block_tables` and `slot_mappings` exactly as `multiwrite.stage.run_stage_torch` does for
@@ -213,6 +229,10 @@ def launch_stage(stage: StageInputs, *, desc: torch.Tensor | None = None, scratc
             them by address at every replay); default: `_descriptor_table(stage)` from the module cache.
         scratch: an int64 `[1, 1]` buffer standing in for `slot_mappings` when the tables have none (a
             capture passes one it keeps alive); default: a fresh one.
+        pdl: launch as a programmatic dependent launch (CUDA, sm_90 or newer, not the interpreter: the caller
+            checks): the grid may start while the kernel before it on the stream still runs, and reads the tables
+            and `num_blocks` only after `griddepcontrol.wait` (every store of that kernel is then visible). Only
+            for a kernel before it that writes nothing else this launch reads: graph mode's consume kernel.
     """
     if not (stage.do_gather or stage.do_slots):
         return
@@ -231,8 +251,13 @@ def launch_stage(stage: StageInputs, *, desc: torch.Tensor | None = None, scratc
         stage.num_reqs, stage.num_reqs_padded, slots.shape[1],
         0 if stage.positions is None else stage.positions.shape[0], stage.num_blocks.shape[1], stage.cp_rank,
         CP_SIZE=stage.cp_size, CP_INTERLEAVE=stage.cp_interleave, HAS_PADDING=padding is not None,
-        DO_GATHER=stage.do_gather, DO_SLOTS=stage.do_slots, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        DO_GATHER=stage.do_gather, DO_SLOTS=stage.do_slots, BLOCK=BLOCK, PDL=pdl, num_warps=NUM_WARPS,
+        **_PDL_LAUNCH if pdl else {},
     )  # fmt: skip
+
+
+#: The launch option of a programmatic dependent launch (Triton >= 3.4, CUDA backend).
+_PDL_LAUNCH = {"launch_pdl": True}
 
 
 # -------------------------------------------------------------------------------------------------

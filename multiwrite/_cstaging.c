@@ -657,12 +657,19 @@ done:
     return result;
 }
 
-#define HEADER_WORDS 8 /* backends/triton_graph.py: H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, ... */
+/* The header ring's layout (backends/triton_graph.py; GraphStage checks these against its own at import): */
+#define HEADER_WORDS 8 /* H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, H_COUNTS, H_NUM_VALUES */
+#define INLINE_WRITES 256 /* FEW_WRITES: most writes of a batch committed inline into its entry */
+#define INLINE_VALUES 256 /* PRELOADED_VALUES: most values of such a batch */
+#define ENTRY_WORDS (HEADER_WORDS + (INLINE_WRITES * 5 + INLINE_VALUES) / 2) /* int64 words of one entry */
+#define INLINE_FLAG ((int64_t)1 << 48) /* in H_COUNTS: the batch is in the entry, not in a ring slot */
 
 /* commit_graph(graph, arena, epoch_addr) -> header index, or None having changed nothing: GraphStage.commit
- * (backends/triton_graph.py) in its common case (the header ring has room, no overlapping writes, the next
- * ring slot released and big enough), followed by the BlockTables' epoch bump (`epoch_addr`: its int64 word).
- * None: the caller runs the Python commit, which waits, reorders overlapping writes or grows. */
+ * (backends/triton_graph.py) in its common case (the header ring has room, no overlapping writes; a batch of
+ * at most INLINE_WRITES writes and INLINE_VALUES values is copied into its entry and the arena keeps its slot,
+ * a bigger one needs the next ring slot released and big enough), followed by the BlockTables' epoch bump
+ * (`epoch_addr`: its int64 word). None: the caller runs the Python commit, which waits, reorders overlapping
+ * writes or grows. The arena's values are int32 (graph mode's tables are). */
 static PyObject *commit_graph(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyObject_TypeCheck(args[1], &ArenaFieldsType) || !PyLong_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "commit_graph(graph, arena, epoch_addr)");
@@ -678,9 +685,10 @@ static PyObject *commit_graph(PyObject *self, PyObject *const *args, Py_ssize_t 
         get_ssize(graph, s_headers_addr, &headers_addr) < 0 || get_ssize(graph, s_mirror_addr, &mirror_addr) < 0 ||
         (lender = PyObject_GetAttr(graph, s_lender)) == NULL)
         goto done;
-    const Py_ssize_t w = arena->num_writes;
+    const Py_ssize_t w = arena->num_writes, num_values = arena->num_values;
+    const int inline_batch = w > 0 && !arena->may_overlap && w <= INLINE_WRITES && num_values <= INLINE_VALUES;
     int rc = 1;
-    if (w) {
+    if (w && !inline_batch) {
         if (arena->may_overlap || (rc = ring_view(lender, &r)) <= 0 || get_ssize(lender, s_current, &i) < 0 ||
             i < 0 || i >= r.depth || r.next != (i + 1) % r.depth || (rc = slot_released(&r, r.next)) <= 0 ||
             (lent = slot_lent(&r, r.next, arena)) == NULL) {
@@ -692,8 +700,15 @@ static PyObject *commit_graph(PyObject *self, PyObject *const *args, Py_ssize_t 
         result = Py_NewRef(Py_None);
         goto done;
     }
-    int64_t *hv = (int64_t *)(intptr_t)headers_addr + (h % depth) * HEADER_WORDS;
-    if (w) {
+    int64_t *hv = (int64_t *)(intptr_t)headers_addr + (h % depth) * ENTRY_WORDS;
+    if (inline_batch) {
+        int32_t *batch = (int32_t *)(hv + HEADER_WORDS);
+        memcpy(batch, (const void *)arena->meta_addr, (size_t)w * 5 * sizeof(int32_t));
+        memcpy(batch + INLINE_WRITES * 5, (const void *)arena->values_addr, (size_t)num_values * sizeof(int32_t));
+        hv[1] = hv[2] = hv[3] = hv[4] = hv[5] = 0;
+        hv[6] = (int64_t)w | (int64_t)1 << 32 | INLINE_FLAG;
+        hv[7] = num_values;
+    } else if (w) {
         long long token = PyLong_AsLongLong(PyList_GET_ITEM(r.tokens, i)) % 0x7FFFFFFF + 1;
         Py_ssize_t done_word = PyLong_AsSsize_t(PyList_GET_ITEM(r.done_addr, i)), bounds_addr;
         if (PyErr_Occurred() || get_ssize(PyList_GET_ITEM(r.slots, i), s_bounds_addr, &bounds_addr) < 0)
@@ -717,7 +732,7 @@ static PyObject *commit_graph(PyObject *self, PyObject *const *args, Py_ssize_t 
     __atomic_store_n(&hv[0], (int64_t)h + 1, __ATOMIC_RELEASE);
     if (set_ssize(graph, s_published, h + 1) < 0)
         goto done;
-    if (w && (clear_arena(arena) < 0 || use_slot(arena, lender, &r, lent) < 0))
+    if (inline_batch ? clear_arena(arena) < 0 : w && (clear_arena(arena) < 0 || use_slot(arena, lender, &r, lent) < 0))
         goto done;
     *epoch += 1; /* a new batch: every (table, row) is free again */
     result = PyLong_FromSsize_t(h);
@@ -859,7 +874,10 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "ArenaFields", (PyObject *)&ArenaFieldsType) < 0 ||
-        PyModule_AddObjectRef(m, "Stager", (PyObject *)&StagerType) < 0) {
+        PyModule_AddObjectRef(m, "Stager", (PyObject *)&StagerType) < 0 ||
+        PyModule_AddIntConstant(m, "GRAPH_ENTRY_WORDS", ENTRY_WORDS) < 0 ||
+        PyModule_AddIntConstant(m, "GRAPH_INLINE_WRITES", INLINE_WRITES) < 0 ||
+        PyModule_AddIntConstant(m, "GRAPH_INLINE_VALUES", INLINE_VALUES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -304,8 +304,24 @@ def _graph_pair(monkeypatch):
 
 
 def _header(bt: BlockTables, h: int) -> list[int]:
+    from multiwrite.backends.triton_graph import ENTRY_WORDS
+
     g = bt._graph
-    return g.headers[(h % g.depth) * 8 : (h % g.depth) * 8 + 8].tolist()
+    first = (h % g.depth) * ENTRY_WORDS.value
+    return g.headers[first : first + 8].tolist()
+
+
+def test_the_compiled_commit_lays_out_header_entries_as_the_graph_stage_does():
+    """The C commit's layout constants are the kernel's: a mismatch would make it silently fall back to Python."""
+    pytest.importorskip("triton")
+    from multiwrite.backends import triton_graph
+
+    from multiwrite import _cstaging
+
+    assert (_cstaging.GRAPH_ENTRY_WORDS, _cstaging.GRAPH_INLINE_WRITES, _cstaging.GRAPH_INLINE_VALUES) == (
+        triton_graph.ENTRY_WORDS.value, triton_graph.FEW_WRITES.value, triton_graph.PRELOADED_VALUES.value
+    )
+    assert triton_graph.GraphStage.C_COMMIT is True
 
 
 @interpreted
@@ -317,12 +333,21 @@ def test_the_compiled_commit_publishes_the_header_the_python_commit_publishes(mo
             slots_before = (bt._arena.lender.current if bt._arena.lender else None, bt._arena.meta_addr)
             for req, ids, overwrite in calls[step : step + 3]:
                 bt.append_block_ids(req, ids, overwrite)
-            wrote = bt._arena.num_writes
-            meta_addr, values_addr, n_values = bt._arena.meta_addr, bt._arena.values_addr, bt._arena.num_values
+            wrote, n_values = bt._arena.num_writes, bt._arena.num_values
+            meta_addr, values_addr, overlap = bt._arena.meta_addr, bt._arena.values_addr, bt._arena.may_overlap
+            meta, values = bt._arena.meta[:wrote].copy(), bt._arena.values[:n_values].copy()
             h = bt.commit_staged_writes()
             words = _header(bt, h)
             assert words[0] == h + 1 and words[6] & 0xFFFFFFFF == wrote
-            if wrote:
+            assert not wrote or overlap or words[6] >> 48 == 1  # inline, unless writes overlap
+            if wrote and words[6] >> 48:  # decode-sized: the batch travels in its header entry, and the arena
+                # keeps its ring slot
+                assert words[1:6] == [0] * 5 and words[6] >> 32 == 1 | 1 << 16 and words[7] == n_values
+                e = h % bt._graph.depth
+                np.testing.assert_array_equal(bt._graph.inline_meta[e, :wrote], meta)
+                np.testing.assert_array_equal(bt._graph.inline_values[e, :n_values], values)
+                assert bt._arena.meta_addr == slots_before[1] and bt._arena.num_writes == 0
+            elif wrote:  # overlapping writes in several rounds: the batch stays in the ring slot
                 i = (bt._arena.lender.current - 1) % bt._arena.lender.ring.depth
                 ring = bt._arena.lender.ring
                 assert words[1:5] == [meta_addr, values_addr, ring.slots[i].bounds_addr, ring.done_addr[i]]
@@ -331,6 +356,11 @@ def test_the_compiled_commit_publishes_the_header_the_python_commit_publishes(mo
             bt._graph.launch(-1)  # the replay: consumes exactly this header
         hc, hp = _header(compiled, step // 3), _header(python, step // 3)
         assert (hc[0], hc[5], hc[6], hc[7]) == (hp[0], hp[5], hp[6], hp[7])
+        if hc[6] >> 48:  # inline: the same entry, addresses included (none)
+            e = (step // 3) % compiled._graph.depth
+            assert hc == hp
+            np.testing.assert_array_equal(compiled._graph.inline_meta[e], python._graph.inline_meta[e])
+            np.testing.assert_array_equal(compiled._graph.inline_values[e], python._graph.inline_values[e])
         assert compiled._context_view[block_tables_module._CTX_EPOCH] == python._context_view[
             block_tables_module._CTX_EPOCH
         ]
@@ -365,6 +395,32 @@ def test_the_compiled_commit_takes_the_common_case_and_hands_over_the_rest(monke
     assert python_commits[-1] == 8 and len(python_commits) == n_python + 1
     assert bt.block_tables[0].tensor[2, :2].tolist() == [4, 7]
     assert bt.block_tables[1].tensor[2, :4].tolist() == [10, 11, 16, 17]
+
+
+@interpreted
+def test_the_compiled_commit_of_a_batch_too_big_for_its_entry_hands_over_the_ring_slot(monkeypatch):
+    """A batch of more values than a header entry holds (a prefill) stays in its ring slot: the header points at
+    it and the arena rotates, in C once every slot has been lent through Python; every replay applies it."""
+    from multiwrite.backends.triton_cuda import TritonCudaBackend
+    from multiwrite.backends.triton_graph import PRELOADED_VALUES
+
+    bt = BlockTables([16], 4, [400], "cpu", [16], backend=TritonCudaBackend(ring_depth=4), cuda_graphs=True)
+    graph = bt._graph
+    python_commits = []
+    real = graph.commit
+    monkeypatch.setattr(graph, "commit", lambda arena: python_commits.append(arena.num_writes) or real(arena))
+    n = PRELOADED_VALUES.value + 44
+    for step in range(3 * graph.ring.depth):
+        ids = list(range(step * 1000, step * 1000 + n))
+        meta_addr, values_addr = bt._arena.meta_addr, bt._arena.values_addr
+        bt.append_block_ids(step % 4, [ids], True)
+        h = bt.commit_staged_writes()
+        words = _header(bt, h)
+        assert words[6] >> 48 == 0 and words[1:3] == [meta_addr, values_addr] and words[7] > PRELOADED_VALUES.value
+        assert bt._arena.meta_addr != meta_addr and bt._arena.num_writes == 0  # rotated into the next slot
+        graph.launch(-1)
+        assert bt.block_tables[0].tensor[step % 4, :n].tolist() == ids and bt.num_blocks[0, step % 4] == n
+    assert len(python_commits) <= graph.ring.depth  # after one ring of slots lent through Python: compiled
 
 
 # -- attacks on the compiled paths (each verified to fail before its fix) -------------------------------------

@@ -200,16 +200,18 @@ def test_a_full_ring_warns_then_raises_and_keeps_the_writes_staged():
     m = Model(ring_depth=2, wait_warn_s=0.05, wait_timeout_s=0.3)
     m.stage(0, ([1], [2], [3]), True)
     m.commit()
+    m.stage(2, ([7], [8], [9]), True)
+    m.commit()  # decode-sized batches travel in their header entries: two entries, both now unconsumed
     m.stage(1, ([4], [5], [6]), True)
     staged = m.bt._arena.num_writes
     with pytest.warns(triton_kernel.RingWaitWarning) as caught, pytest.raises(triton_kernel.RingStallError) as info:
-        m.bt.commit_staged_writes()  # its slot would rotate into the one holding the unconsumed first batch
+        m.bt.commit_staged_writes()  # its entry holds the unconsumed first batch
     warning = str(caught[0].message)
-    for part in ("graph-mode ring (depth 2)", "1 committed batches have not been consumed", "replay the captured graph",
+    for part in ("graph-mode ring (depth 2)", "2 committed batches have not been consumed", "replay the captured graph",
                  "apply_staged_writes()"):  # fmt: skip
         assert part in warning, part
     assert "Nothing was committed" in str(info.value)
-    assert m.bt._arena.num_writes == staged and m.bt._graph.published == 1
+    assert m.bt._arena.num_writes == staged and m.bt._graph.published == 2
     m.replay()  # consumes the first batch: the ring has room again
     m.check()
     m.commit()
@@ -221,6 +223,8 @@ def test_a_commit_waits_for_a_late_replay_with_one_warning():
     m = Model(ring_depth=2, wait_warn_s=0.05, wait_timeout_s=20.0)
     m.stage(0, ([1], [2], [3]), True)
     m.commit()
+    m.stage(2, ([7], [8], [9]), True)
+    m.commit()  # both header entries hold unconsumed batches
     m.stage(1, ([4], [5], [6]), True)
     late = threading.Timer(0.3, lambda: _replay(m.bt))  # the replay runs while the commit waits
     late.start()

@@ -23,18 +23,27 @@ TARGETS = [("cuda", 80, 32), ("cuda", 90, 32), ("hip", "gfx90a", 64), ("hip", "g
 SIGNATURE = {
     "desc_addr": "i64", "headers_addr": "i64", "state_addr": "i64", "mirror_addr": "i64", "limit": "i64",
     "num_tables": "i32", "DEPTH": "constexpr", "NT": "constexpr", "BLOCK_W": "constexpr", "BLOCK_L": "constexpr",
+    "LAUNCH_DEPENDENTS": "constexpr",
 }  # fmt: skip
-#: (name, DEPTH, NT): a three-group BlockTables (4 tables) with the default ring, and a deep ring of 8 tables
-VARIANTS = [("g3", 8, 4), ("deep", 16, 8)]
+#: (name, DEPTH, NT, LAUNCH_DEPENDENTS): a three-group BlockTables (4 tables) with the default ring, a deep ring of
+#: 8 tables, and the g3 kernel that lets the captured stage kernel start early (`GraphStage.pdl`: sm_90 and newer)
+VARIANTS = [("g3", 8, 4, False), ("deep", 16, 8, False), ("g3-pdl", 8, 4, True)]
+
+
+def _targets(variant: str) -> list[tuple]:
+    """The targets a variant is built for: programmatic dependent launch is NVIDIA sm_90+ only."""
+    return [t for t in TARGETS if not variant.endswith("pdl") or (t[0] == "cuda" and t[1] >= 90)]
 
 
 def _worker() -> None:
     out = {}
     fn = tg.compilable_consume_kernel()
     assert [p.name for p in fn.params] == list(SIGNATURE)
-    for backend, arch, warp_size in TARGETS:
-        for name, depth, nt in VARIANTS:
-            constexprs = {"DEPTH": depth, "NT": nt, "BLOCK_W": tg.BLOCK_W, "BLOCK_L": tg.BLOCK_L}
+    for name, depth, nt, dependents in VARIANTS:
+        for backend, arch, warp_size in _targets(name):
+            constexprs = {
+                "DEPTH": depth, "NT": nt, "BLOCK_W": tg.BLOCK_W, "BLOCK_L": tg.BLOCK_L, "LAUNCH_DEPENDENTS": dependents,
+            }  # fmt: skip
             src = triton.compiler.ASTSource(fn=fn, signature=SIGNATURE, constexprs=constexprs)
             k = triton.compile(
                 src, target=GPUTarget(backend, arch, warp_size), options={"num_warps": tg.NUM_WARPS, "num_stages": 1}
@@ -57,8 +66,11 @@ def compiled() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", [v[0] for v in VARIANTS])
-@pytest.mark.parametrize("target", TARGETS, ids=[f"sm_{a}" if b == "cuda" else a for b, a, _ in TARGETS])
+@pytest.mark.parametrize(
+    ("target", "variant"),
+    [(t, v[0]) for v in VARIANTS for t in _targets(v[0])],
+    ids=[f"{'sm_' if t[0] == 'cuda' else ''}{t[1]}-{v[0]}" for v in VARIANTS for t in _targets(v[0])],
+)
 def test_consume_kernel_compiles(compiled, target, variant):
     backend, arch, warp_size = target
     k = compiled[f"{arch}-{variant}"]
@@ -72,6 +84,8 @@ def test_consume_kernel_compiles(compiled, target, variant):
         assert "ld.volatile.global" in isa, "the host-written header needs a volatile load"
         assert "st.global.wt" in isa  # the completion token and the consumed count reach the host
         assert "bar.sync" in isa  # rounds and headers are separated by barriers
+        # The early start of the captured stage kernel: asked for exactly in the variant built for it.
+        assert ("griddepcontrol.launch_dependents" in isa) == variant.endswith("pdl")
     else:
         assert "global_store" in isa or "buffer_store" in isa, isa[:2000]
 

@@ -21,13 +21,20 @@ from multiwrite.backends import triton_stage as ts  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 TARGETS = [("cuda", 80, 32), ("cuda", 90, 32), ("hip", "gfx90a", 64), ("hip", "gfx942", 64), ("hip", "gfx1100", 32)]
-#: (name, index dtype, position dtype, CP_SIZE, CP_INTERLEAVE, HAS_PADDING, DO_GATHER, DO_SLOTS)
+#: (name, index dtype, position dtype, CP_SIZE, CP_INTERLEAVE, HAS_PADDING, DO_GATHER, DO_SLOTS, PDL); the PDL
+#: variants (the captured stage after graph mode's consume kernel) are built for sm_90 and newer only
 VARIANTS = [
-    ("both", "*i32", "*i64", 1, 1, False, True, True),
-    ("cp-padded", "*i64", "*i32", 4, 2, True, True, True),
-    ("gather", "*i32", "*i64", 1, 1, False, True, False),
-    ("slots", "*i32", "*i64", 2, 1, True, False, True),
+    ("both", "*i32", "*i64", 1, 1, False, True, True, False),
+    ("cp-padded", "*i64", "*i32", 4, 2, True, True, True, False),
+    ("gather", "*i32", "*i64", 1, 1, False, True, False, False),
+    ("slots", "*i32", "*i64", 2, 1, True, False, True, False),
+    ("both-pdl", "*i32", "*i64", 1, 1, False, True, True, True),
+    ("cp-padded-pdl", "*i64", "*i32", 4, 2, True, True, True, True),
 ]
+
+
+def _built_for(variant: str, target: tuple) -> bool:
+    return not variant.endswith("pdl") or (target[0] == "cuda" and target[1] >= 90)
 
 
 def _signature(idx: str, pos: str) -> dict[str, str]:
@@ -37,7 +44,7 @@ def _signature(idx: str, pos: str) -> dict[str, str]:
         "num_reqs_padded": "i32", "max_tokens": "i32", "num_positions": "i32", "max_num_reqs": "i32",
         "cp_rank": "i32", "CP_SIZE": "constexpr",
         "CP_INTERLEAVE": "constexpr", "HAS_PADDING": "constexpr", "DO_GATHER": "constexpr", "DO_SLOTS": "constexpr",
-        "BLOCK": "constexpr",
+        "BLOCK": "constexpr", "PDL": "constexpr",
     }  # fmt: skip
 
 
@@ -76,9 +83,11 @@ def _worker() -> None:
                 "binary": base64.b64encode(k.asm[binary]).decode(), "isa": k.asm[isa],
                 "warps": k.metadata.num_warps, "warp_size": k.metadata.warp_size,
             }  # fmt: skip
-        for name, idx, pos, cp, interleave, padding, gather, slots in VARIANTS:
+        for name, idx, pos, cp, interleave, padding, gather, slots, pdl in VARIANTS:
+            if not _built_for(name, (backend, arch)):
+                continue
             constexprs = {"CP_SIZE": cp, "CP_INTERLEAVE": interleave, "HAS_PADDING": padding, "DO_GATHER": gather,
-                          "DO_SLOTS": slots, "BLOCK": ts.BLOCK}  # fmt: skip
+                          "DO_SLOTS": slots, "BLOCK": ts.BLOCK, "PDL": pdl}  # fmt: skip
             src = triton.compiler.ASTSource(fn=fn, signature=_signature(idx, pos), constexprs=constexprs)
             k = triton.compile(
                 src, target=GPUTarget(backend, arch, warp_size), options={"num_warps": ts.NUM_WARPS, "num_stages": 1}
@@ -101,8 +110,12 @@ def compiled() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", [v[0] for v in VARIANTS + FUSED_VARIANTS])
-@pytest.mark.parametrize("target", TARGETS, ids=[f"sm_{a}" if b == "cuda" else a for b, a, _ in TARGETS])
+_CASES = [(t, v[0]) for v in VARIANTS + FUSED_VARIANTS for t in TARGETS if _built_for(v[0], t)]
+
+
+@pytest.mark.parametrize(
+    ("target", "variant"), _CASES, ids=[f"{'sm_' if t[0] == 'cuda' else ''}{t[1]}-{v}" for t, v in _CASES]
+)
 def test_stage_kernel_compiles(compiled, target, variant):
     backend, arch, warp_size = target
     k = compiled[f"{arch}-{variant}"]
@@ -113,6 +126,9 @@ def test_stage_kernel_compiles(compiled, target, variant):
         assert "st.global" in isa and "ld.global" in isa
         if variant.startswith("fused"):  # the slot guard: the completion counter of the whole grid
             assert "atom.global" in isa
+        # The captured stage waits for the consume kernel's stores before it reads the tables: in the PDL
+        # variants only (elsewhere the launch order is the stream's).
+        assert ("griddepcontrol.wait" in isa) == variant.endswith("pdl")
     else:
         assert "global_store" in isa or "buffer_store" in isa, isa[:2000]
         if variant.startswith("fused"):

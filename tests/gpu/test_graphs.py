@@ -211,13 +211,18 @@ def test_one_graph_replayed_from_two_tables_objects_is_independent(device, backe
 class CapturedStep:
     """A graph-mode BlockTables of G3 with `reqs` rows, and a graph that captured `prepare_inputs` once over
     persistent device input buffers sized for the padded bucket: `reqs` batch entries (a step's unused ones
-    point at row 0 with zero tokens) and TOKEN_BUDGET tokens (`is_padding` marks the unscheduled ones)."""
+    point at row 0 with zero tokens) and TOKEN_BUDGET tokens (`is_padding` marks the unscheduled ones).
+    `pdl=False` records the stage kernel as a plain launch after the consume kernel; `pdl=True` as its programmatic
+    dependent launch (skipped where the GPU cannot: `GraphStage.pdl`)."""
 
-    def __init__(self, device, backend_name: str, reqs: int = 40):
+    def __init__(self, device, backend_name: str, reqs: int = 40, pdl: bool = True):
         widths = max_blocks_per_group(BLOCK_SIZES)
         self.reqs, self.device = reqs, device
         self.bt = BlockTables(BLOCK_SIZES, reqs, widths, device, KERNEL_BLOCK_SIZES, backend=gpu_backend(backend_name),
                               cuda_graphs=True, max_num_batched_tokens=TOKEN_BUDGET)  # fmt: skip
+        if pdl and not getattr(self.bt._graph, "pdl", False):
+            pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 or newer")
+        self.bt._graph.pdl = pdl
         self.ref = ReferenceBlockTables(BLOCK_SIZES, reqs, widths, KERNEL_BLOCK_SIZES)
         self.idx = torch.zeros(reqs, dtype=torch.int32, device=device)
         self.qsl = torch.zeros(reqs + 1, dtype=torch.int32, device=device)
@@ -287,11 +292,13 @@ def _stage_mismatch(got: tuple[list[torch.Tensor], torch.Tensor], want, n: int) 
     return ""
 
 
-def test_captured_prepare_inputs_over_the_real_trace_equals_the_reference(device, backend_name):
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+def test_captured_prepare_inputs_over_the_real_trace_equals_the_reference(device, backend_name, pdl):
     """Capture prepare_inputs once (padded bucket: 40 entries, 8192 tokens); 500 steps of the trace (G3, C=40),
     each: stage, commit, write the step's inputs into the buffers, replay; the gathered cells each step defines
-    and all slot mappings equal the reference every step."""
-    c = CapturedStep(device, backend_name)
+    and all slot mappings equal the reference every step. With PDL the stage kernel starts while the consume kernel
+    applies the step's writes: a stage that read the tables before `griddepcontrol.wait` would see the last step's."""
+    c = CapturedStep(device, backend_name, pdl=pdl)
     steps = 0
     with warnings.catch_warnings():
         warnings.simplefilter("error", _ring_wait_warning())
@@ -313,11 +320,12 @@ def test_captured_prepare_inputs_over_the_real_trace_equals_the_reference(device
         np.testing.assert_array_equal(t.tensor.cpu().numpy(), c.ref.tables[g], err_msg=f"group {g}")
 
 
-def test_a_captured_prepare_inputs_queued_behind_a_busy_stream_sees_only_its_own_step(device, backend_name):
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+def test_a_captured_prepare_inputs_queued_behind_a_busy_stream_sees_only_its_own_step(device, backend_name, pdl):
     """Replay N of the captured prepare_inputs waits behind 50 ms of device work while the host stages, commits
     and loads the inputs of step N+1 and queues its replay: replay N must apply step N only and read step N's
     inputs (its output copies), replay N+1 then step N+1."""
-    c = CapturedStep(device, backend_name)
+    c = CapturedStep(device, backend_name, pdl=pdl)
     schedule = iter(replay_schedule(load_trace(), BLOCK_SIZES, 40, 60))
     for i, step in enumerate(schedule):
         c.stage(step.calls)
