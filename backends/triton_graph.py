@@ -72,6 +72,8 @@ from multiwrite.staging import StagingArena
 #: token, num_writes | num_rounds << 32 | INLINE, num_values). Sequence `h + 1` publishes header `h`.
 HEADER_WORDS: tl.constexpr = tl.constexpr(8)
 (H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, H_COUNTS, H_NUM_VALUES) = range(8)
+(H_SEQ_WORD, H_META_WORD, H_VALUES_WORD, H_BOUNDS_WORD, H_DONE_WORD, H_TOKEN_WORD, H_COUNTS_WORD,
+ H_NUM_VALUES_WORD) = (tl.constexpr(i) for i in range(8))  # (the same, for the kernel)  # fmt: skip
 #: Values of at most this many cells (a decode step) are loaded whole, with the metadata.
 PRELOADED_VALUES: tl.constexpr = tl.constexpr(256)
 #: A batch of one round with at most this many writes (and at most PRELOADED_VALUES values: a decode step, e.g.
@@ -79,15 +81,42 @@ PRELOADED_VALUES: tl.constexpr = tl.constexpr(256)
 #: are done FEW_CELLS cells at a time from registers (decode writes are 1-3 cells).
 FEW_WRITES: tl.constexpr = tl.constexpr(256)
 FEW_CELLS: tl.constexpr = tl.constexpr(4)
-#: Such a batch without overlapping writes is committed INLINE: its metadata (int32 [num_writes, 5]) and values
-#: (int32) are copied into the header's entry, at int32 offsets 0 and INLINE_META after the header words, so the
-#: kernel gets header and batch in one round trip and never reads the ring slot (which the arena keeps).
+#: Such a batch without overlapping writes is committed INLINE: its metadata (int32 [num_writes, 5]) is copied
+#: into the header's entry as five columns of FEW_WRITES cells (table, row, start, length, value offset; each
+#: column one contiguous load), then its values at int32 offset INLINE_META, after the header words; the header's
+#: token word holds `inline_checksum` of them. The kernel gets header and batch in one round trip and never reads
+#: the ring slot (which the arena keeps).
 INLINE_META: tl.constexpr = tl.constexpr(FEW_WRITES * 5)
 INLINE = 1 << 48
 #: int64 words of one entry of the header ring: the header, then the inline batch.
 ENTRY_WORDS: tl.constexpr = tl.constexpr(8 + (FEW_WRITES * 5 + PRELOADED_VALUES) // 2)
-#: Words of the entry loaded with the header (its first words): one lane per thread of the kernel at least.
-HEAD_LANES: tl.constexpr = tl.constexpr(128)
+
+
+@triton.jit
+def _inline_checksum(t, row, start, length, voff, values, lanes_f, lanes_v, num_writes, num_values):
+    """`inline_checksum` of an inline batch as loaded (int64): each live int32 of the entry's batch area times its
+    position there plus one."""
+    live = lanes_f < num_writes
+    w = lanes_f.to(tl.int64) + 1
+    cols = (t.to(tl.int64) * w + row.to(tl.int64) * (w + FEW_WRITES) + start.to(tl.int64) * (w + 2 * FEW_WRITES)
+            + length.to(tl.int64) * (w + 3 * FEW_WRITES) + voff.to(tl.int64) * (w + 4 * FEW_WRITES))  # fmt: skip
+    vals = values.to(tl.int64) * (lanes_v.to(tl.int64) + INLINE_META + 1)
+    # (one reduction: FEW_WRITES == PRELOADED_VALUES, asserted at import)
+    return tl.sum(tl.where(live, cols, 0) + tl.where(lanes_v < num_values, vals, 0), axis=0)
+
+
+assert FEW_WRITES.value == PRELOADED_VALUES.value  # `_inline_checksum` sums both in one reduction
+
+
+def inline_checksum(meta: np.ndarray, values: np.ndarray) -> int:
+    """The checksum of an inline batch (`meta` int32 [w, 5] in staging layout, `values` int32 [v]) the commit
+    stores in the header's token word: the sum of each int32 of the entry's batch area times its position there
+    (columns of FEW_WRITES cells, then the values) plus one, exact in int64. The kernel recomputes it from what it
+    loaded; a mismatch means the entry was being written while it was read."""
+    w = meta.shape[0]
+    pos = np.arange(5, dtype=np.int64)[None, :] * FEW_WRITES.value + np.arange(w, dtype=np.int64)[:, None] + 1
+    vpos = np.arange(values.shape[0], dtype=np.int64) + INLINE_META.value + 1
+    return int((meta.astype(np.int64) * pos).sum() + (values.astype(np.int64) * vpos).sum())
 DO_NOT_SPECIALIZE = ("desc_addr", "headers_addr", "state_addr", "mirror_addr", "limit", "num_tables")
 BLOCK_W, BLOCK_L, NUM_WARPS = 16, 64, 4
 
@@ -95,8 +124,8 @@ BLOCK_W, BLOCK_L, NUM_WARPS = 16, 64, 4
 def _consume_kernel_fn(
     desc_addr: tl.int64,  # device int64 [num_tables, 5]: base address, row stride, column stride, rows, columns
     headers_addr: tl.int64,  # pinned int64 [DEPTH, ENTRY_WORDS]
-    state_addr: tl.int64,  # device int64 [2]: headers consumed, runs that found no header
-    mirror_addr: tl.int64,  # pinned int64 [2]: the same two counts, for the host
+    state_addr: tl.int64,  # device int64 [3]: headers consumed, runs that found no header, inline batches re-read
+    mirror_addr: tl.int64,  # pinned int64 [3]: the same three counts, for the host
     limit: tl.int64,  # consume headers up to this count (eager launch), or -1: the next header only (captured)
     num_tables: tl.int32,
     DEPTH: tl.constexpr,  # header ring entries, a power of two
@@ -120,7 +149,7 @@ def _consume_kernel_fn(
     col_stride_all = tl.load(d_all + 2, mask=t_ok, other=0)
     rows_all = tl.load(d_all + 3, mask=t_ok, other=0)
     cols_all = tl.load(d_all + 4, mask=t_ok, other=0)
-    lanes_e = tl.arange(0, HEAD_LANES)
+    lanes_h = tl.arange(0, HEADER_WORDS)
     lanes_w = tl.arange(0, BLOCK_W)
     lanes_l = tl.arange(0, BLOCK_L)
     lanes_v = tl.arange(0, PRELOADED_VALUES)
@@ -128,42 +157,61 @@ def _consume_kernel_fn(
     lanes_c = tl.arange(0, FEW_CELLS)
     first = tl.load(state)
     idle = tl.load(state + 1)
+    rereads = tl.load(state + 2)
     end = tl.where(limit < 0, first + 1, limit)
     ok = first < end
     n = first * 0
     for h in range(first, end):
-        # Header h's entry: its words, and the inline batch a decode-sized commit copied into it, in ONE set of
-        # loads (one round trip over PCIe), issued as soon as the consumed count (device memory) is known. The
-        # header words come with the first HEAD_LANES words of the entry: a load of at least one lane per thread
-        # (a volatile load of fewer lanes is replicated across threads, and each copy crosses PCIe on its own).
+        # Header h's entry: its words and the inline batch a decode-sized commit copied into it (metadata as five
+        # contiguous columns, then the values), all in ONE set of loads (one round trip over PCIe), issued once
+        # the consumed count (device memory) is known. Plain loads: a run reads only entries published before it
+        # was issued (each replay consumes the header committed before it), and a new launch reads host memory
+        # afresh, as for ring slots. A header committed while this run reads it (a replay issued before its
+        # commit) could be read half old, half new: the inline batch's checksum catches that (below).
         entry = headers + (h % DEPTH) * ENTRY_WORDS
-        head = tl.load(entry + lanes_e, volatile=True)
-        # The inline batch: not volatile (a volatile load is not coalesced: one PCIe read per lane, 3x slower on
-        # the H200 for these strided columns). It is only used when the header's sequence word says it was
-        # published, and a published entry was written before the run was issued (like a ring slot's batch).
-        inline_meta = (entry + HEADER_WORDS).to(tl.pointer_type(tl.int32)) + lanes_f * 5
-        i_t = tl.load(inline_meta + 0, cache_modifier=".cv")
-        i_row = tl.load(inline_meta + 1, cache_modifier=".cv")
-        i_start = tl.load(inline_meta + 2, cache_modifier=".cv")
-        i_length = tl.load(inline_meta + 3, cache_modifier=".cv")
-        i_voff = tl.load(inline_meta + 4, cache_modifier=".cv")
-        i_values = tl.load((entry + HEADER_WORDS).to(tl.pointer_type(tl.int32)) + INLINE_META + lanes_v,
-                           cache_modifier=".cv")  # fmt: skip
-        seq = tl.sum(tl.where(lanes_e == 0, head, 0), axis=0)
+        # The header words as one 8-lane load (a scalar load per word measured 1.2 us slower on the H200), picked
+        # out by reductions that stay within a warp.
+        head = tl.load(entry + lanes_h, cache_modifier=".cv")
+        seq = tl.sum(tl.where(lanes_h == H_SEQ_WORD, head, 0), axis=0)
+        meta_word = tl.sum(tl.where(lanes_h == H_META_WORD, head, 0), axis=0)
+        values_word = tl.sum(tl.where(lanes_h == H_VALUES_WORD, head, 0), axis=0)
+        bounds_word = tl.sum(tl.where(lanes_h == H_BOUNDS_WORD, head, 0), axis=0)
+        done_word = tl.sum(tl.where(lanes_h == H_DONE_WORD, head, 0), axis=0)
+        token_word = tl.sum(tl.where(lanes_h == H_TOKEN_WORD, head, 0), axis=0)
+        counts = tl.sum(tl.where(lanes_h == H_COUNTS_WORD, head, 0), axis=0)
+        num_values = tl.sum(tl.where(lanes_h == H_NUM_VALUES_WORD, head, 0), axis=0).to(tl.int32)
+        batch = (entry + HEADER_WORDS).to(tl.pointer_type(tl.int32))
+        i_t = tl.load(batch + lanes_f, cache_modifier=".cv")
+        i_row = tl.load(batch + FEW_WRITES + lanes_f, cache_modifier=".cv")
+        i_start = tl.load(batch + 2 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+        i_length = tl.load(batch + 3 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+        i_voff = tl.load(batch + 4 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+        i_values = tl.load(batch + INLINE_META + lanes_v, cache_modifier=".cv")
         ok = ok & (seq == h + 1)
         if ok:
-            meta = tl.sum(tl.where(lanes_e == 1, head, 0), axis=0).to(tl.pointer_type(tl.int32))
-            values = tl.sum(tl.where(lanes_e == 2, head, 0), axis=0).to(tl.pointer_type(tl.int32))
-            bounds = tl.sum(tl.where(lanes_e == 3, head, 0), axis=0).to(tl.pointer_type(tl.int32))
-            done_word = tl.sum(tl.where(lanes_e == 4, head, 0), axis=0)
-            token = tl.sum(tl.where(lanes_e == 5, head, 0), axis=0).to(tl.int32)
-            counts = tl.sum(tl.where(lanes_e == 6, head, 0), axis=0)
-            num_values = tl.sum(tl.where(lanes_e == 7, head, 0), axis=0).to(tl.int32)
+            meta = meta_word.to(tl.pointer_type(tl.int32))
+            values = values_word.to(tl.pointer_type(tl.int32))
+            bounds = bounds_word.to(tl.pointer_type(tl.int32))
+            token = token_word.to(tl.int32)
             num_writes = (counts & 0xFFFFFFFF).to(tl.int32)
             num_rounds = ((counts >> 32) & 0xFFFF).to(tl.int32)
             inline = ((counts >> 48) & 1) != 0
             multi = num_rounds > 1
             small = num_values <= PRELOADED_VALUES
+            if inline:
+                # The batch as read must be the one the header describes (see `inline_checksum`); if it is not
+                # (the host was writing the entry), read it again, now ordered after the sequence word: the host
+                # writes the batch before it publishes the header.
+                if _inline_checksum(i_t, i_row, i_start, i_length, i_voff, i_values, lanes_f, lanes_v, num_writes,
+                                    num_values) != token_word:  # fmt: skip
+                    rereads += 1
+                    again = batch + (seq - seq).to(tl.int32)  # an address that exists only once `seq` has arrived
+                    i_t = tl.load(again + lanes_f, cache_modifier=".cv")
+                    i_row = tl.load(again + FEW_WRITES + lanes_f, cache_modifier=".cv")
+                    i_start = tl.load(again + 2 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+                    i_length = tl.load(again + 3 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+                    i_voff = tl.load(again + 4 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+                    i_values = tl.load(again + INLINE_META + lanes_v, cache_modifier=".cv")
             # A decode-sized batch (one round, few writes, few values): ALL its metadata at once, with its values,
             # and its writes done from registers. Inline (the common case), both came with the header; else both
             # are loaded from the ring slot together (both addresses come from the header: one more round trip).
@@ -244,8 +292,10 @@ def _consume_kernel_fn(
     idle = idle + ((limit < 0) & (n == 0)).to(tl.int64)
     tl.store(state, consumed)
     tl.store(state + 1, idle)
+    tl.store(state + 2, rereads)
     tl.store(mirror, consumed, cache_modifier=".wt")
     tl.store(mirror + 1, idle, cache_modifier=".wt")
+    tl.store(mirror + 2, rereads, cache_modifier=".wt")
 
 
 #: The runtime kernel (an `InterpretedFunction` under TRITON_INTERPRET, like the apply kernel).
@@ -344,6 +394,8 @@ class GraphStage:
         published: headers committed so far (host count).
         consumed: headers the device has consumed, as last stored into a pinned word (may lag).
         idle_runs: captured runs (replays) that found no new header (as last stored).
+        rereads: inline batches read again because what was read did not match the header's checksum (the host
+            was writing the entry while a run read it: a replay issued before its commit); as last stored.
         pdl: whether captures launch the stage kernel as a programmatic dependent launch of the consume kernel
             (NVIDIA, compute capability 9.0 or newer, compiled Triton). Read at each capture: setting it to False
             before a capture records the plain two launches (for A/B measurements).
@@ -379,17 +431,17 @@ class GraphStage:
         device = writer.device
         self.headers_t = torch.zeros(depth * ENTRY_WORDS.value, dtype=torch.int64, pin_memory=pin)
         self.headers = self.headers_t.numpy()
-        # Each entry's inline batch (see INLINE_META), as int32 views: metadata [FEW_WRITES, 5], values.
+        # Each entry's inline batch (see INLINE_META), as int32 views: metadata columns [5, FEW_WRITES], values.
         entries32 = self.headers.reshape(depth, ENTRY_WORDS.value).view(np.int32)[:, 2 * HEADER_WORDS.value :]
-        self.inline_meta = entries32[:, : INLINE_META.value].reshape(depth, FEW_WRITES.value, 5)
+        self.inline_meta = entries32[:, : INLINE_META.value].reshape(depth, 5, FEW_WRITES.value)  # columns
         self.inline_values = entries32[:, INLINE_META.value : INLINE_META.value + PRELOADED_VALUES.value]
         self._hv = memoryview(self.headers)  # type: ignore[arg-type]  # int64 stores without numpy scalars
-        self.mirror_t = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self.mirror_t = torch.zeros(3, dtype=torch.int64, pin_memory=pin)
         self.mirror = self.mirror_t.numpy()
         self._mirror_mv = memoryview(self.mirror)  # type: ignore[arg-type]
         # What the compiled commit (`multiwrite._cstaging.commit_graph`) reads besides `published`, `depth`, `lender`.
         self.headers_addr, self.mirror_addr = self.headers_t.data_ptr(), self.mirror_t.data_ptr()
-        self.state = torch.zeros(2, dtype=torch.int64, device=device)
+        self.state = torch.zeros(3, dtype=torch.int64, device=device)
         rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
         assert len(rows[0]) == DESC_COLUMNS
         # Fixed for the life of the tables (a graph-mode BlockTables never replaces or resizes them); this
@@ -428,6 +480,10 @@ class GraphStage:
     def idle_runs(self) -> int:
         return int(self._mirror_mv[1])
 
+    @property
+    def rereads(self) -> int:
+        return int(self._mirror_mv[2])
+
     # -- host side ---------------------------------------------------------------------------------
     def commit(self, arena: StagingArena) -> int:
         """Publish the arena's staged writes as the next header and rotate the arena to a fresh slot.
@@ -458,9 +514,10 @@ class GraphStage:
         e = h % self.depth
         b = e * ENTRY_WORDS.value
         if inline:  # the batch travels in the entry: the arena keeps its slot (the kernel never reads it)
-            self.inline_meta[e, :w] = arena.meta[:w]
+            self.inline_meta[e, :, :w] = arena.meta[:w].T
             self.inline_values[e, :num_values] = arena.values[:num_values]
-            hv[b + H_META] = hv[b + H_VALUES] = hv[b + H_BOUNDS] = hv[b + H_DONE] = hv[b + H_TOKEN] = 0
+            hv[b + H_META] = hv[b + H_VALUES] = hv[b + H_BOUNDS] = hv[b + H_DONE] = 0
+            hv[b + H_TOKEN] = inline_checksum(arena.meta[:w], arena.values[:num_values])
             hv[b + H_COUNTS] = w | 1 << 32 | INLINE
             hv[b + H_NUM_VALUES] = num_values
         elif w:

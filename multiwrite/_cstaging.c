@@ -702,10 +702,23 @@ static PyObject *commit_graph(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     int64_t *hv = (int64_t *)(intptr_t)headers_addr + (h % depth) * ENTRY_WORDS;
     if (inline_batch) {
+        /* The metadata as five columns of INLINE_WRITES cells, then the values; the token word holds their
+         * checksum (triton_graph.inline_checksum: each int32 times its position in the batch area plus one). */
         int32_t *batch = (int32_t *)(hv + HEADER_WORDS);
-        memcpy(batch, (const void *)arena->meta_addr, (size_t)w * 5 * sizeof(int32_t));
-        memcpy(batch + INLINE_WRITES * 5, (const void *)arena->values_addr, (size_t)num_values * sizeof(int32_t));
-        hv[1] = hv[2] = hv[3] = hv[4] = hv[5] = 0;
+        const int32_t *meta = (const int32_t *)arena->meta_addr, *values = (const int32_t *)arena->values_addr;
+        int64_t checksum = 0;
+        for (Py_ssize_t c = 0; c < 5; c++)
+            for (Py_ssize_t j = 0; j < w; j++) {
+                const int32_t x = meta[j * 5 + c];
+                batch[c * INLINE_WRITES + j] = x;
+                checksum += (int64_t)x * (c * INLINE_WRITES + j + 1);
+            }
+        for (Py_ssize_t k = 0; k < num_values; k++) {
+            batch[INLINE_WRITES * 5 + k] = values[k];
+            checksum += (int64_t)values[k] * (INLINE_WRITES * 5 + k + 1);
+        }
+        hv[1] = hv[2] = hv[3] = hv[4] = 0;
+        hv[5] = checksum;
         hv[6] = (int64_t)w | (int64_t)1 << 32 | INLINE_FLAG;
         hv[7] = num_values;
     } else if (w) {

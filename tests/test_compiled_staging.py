@@ -342,9 +342,12 @@ def test_the_compiled_commit_publishes_the_header_the_python_commit_publishes(mo
             assert not wrote or overlap or words[6] >> 48 == 1  # inline, unless writes overlap
             if wrote and words[6] >> 48:  # decode-sized: the batch travels in its header entry, and the arena
                 # keeps its ring slot
-                assert words[1:6] == [0] * 5 and words[6] >> 32 == 1 | 1 << 16 and words[7] == n_values
+                from multiwrite.backends.triton_graph import inline_checksum
+
+                assert words[1:5] == [0] * 4 and words[6] >> 32 == 1 | 1 << 16 and words[7] == n_values
+                assert words[5] == inline_checksum(meta, values) != 0
                 e = h % bt._graph.depth
-                np.testing.assert_array_equal(bt._graph.inline_meta[e, :wrote], meta)
+                np.testing.assert_array_equal(bt._graph.inline_meta[e, :, :wrote], meta.T)
                 np.testing.assert_array_equal(bt._graph.inline_values[e, :n_values], values)
                 assert bt._arena.meta_addr == slots_before[1] and bt._arena.num_writes == 0
             elif wrote:  # overlapping writes in several rounds: the batch stays in the ring slot

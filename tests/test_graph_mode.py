@@ -96,6 +96,31 @@ def test_commit_then_replay_applies_exactly_that_batch_and_nothing_before():
     assert m.bt._graph.consumed == 1 and m.bt._graph.idle_runs == 0
 
 
+def test_inline_batches_are_checked_against_their_checksum_and_a_mismatch_is_read_again():
+    """Decode-sized batches travel in their header entries with a checksum: a run that reads an entry while the
+    host writes it (a replay issued before its commit) gets a mix of two batches, which the checksum catches, and
+    reads the entry again, ordered after its sequence word. Here the checksum word itself is made wrong: the run
+    must count one re-read and still apply exactly the batch (the re-read path's layout)."""
+    from multiwrite.backends.triton_graph import ENTRY_WORDS, H_TOKEN
+
+    m = Model()
+    for step in range(6):  # the entries of a first lap: all read once, all matching
+        m.stage(step % 4, ([step + 1, step + 2], [step + 3], [step + 4]), True)
+        m.commit()
+        m.replay()
+        m.check()
+    assert m.bt._graph.rereads == 0
+    m.stage(2, ([41, 42, 43], [44], [45, 46]), True)
+    m.stage(3, ([47], [], [48]), False)
+    h = m.commit()
+    assert m.bt._graph.headers[(h % m.bt._graph.depth) * ENTRY_WORDS.value + 6] >> 48 == 1  # it went inline
+    m.bt._graph.headers[(h % m.bt._graph.depth) * ENTRY_WORDS.value + H_TOKEN] += 1
+    m.replay()
+    m.check()
+    assert m.bt._graph.rereads == 1 and m.bt._graph.consumed == 7
+    assert m.bt[0].tensor[2, :3].tolist() == [41, 42, 43]
+
+
 def test_two_commits_are_consumed_by_two_replays_in_commit_order():
     """commit A; commit B; replay; replay. The first replay applies A only: a replay queued before the host
     committed the next step (the normal pipelined case) must not apply that step's writes early. B, which
