@@ -69,7 +69,10 @@ from multiwrite.stage import StageInputs
 from multiwrite.staging import StagingArena
 
 #: int64 words of a header: (sequence, meta address, values address, bounds address, completion word address,
-#: token, num_writes | num_rounds << 32 | INLINE, num_values). Sequence `h + 1` publishes header `h`.
+#: token, num_writes | num_rounds << 32 | INLINE, num_values). Sequence `h + 1` publishes header `h`. The counts
+#: word: num_writes in bits 0-31, num_rounds in bits 32-62 (rounds <= writes: any batch's round count fits), the
+#: INLINE flag in bit 63 (the sign bit): a flag inside the rounds' bits would turn a batch of 65,536 rounds into
+#: an "inline" one of 0 rounds, which a run would drop.
 HEADER_WORDS: tl.constexpr = tl.constexpr(8)
 (H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, H_COUNTS, H_NUM_VALUES) = range(8)
 (H_SEQ_WORD, H_META_WORD, H_VALUES_WORD, H_BOUNDS_WORD, H_DONE_WORD, H_TOKEN_WORD, H_COUNTS_WORD,
@@ -87,7 +90,9 @@ FEW_CELLS: tl.constexpr = tl.constexpr(4)
 #: token word holds `inline_checksum` of them. The kernel gets header and batch in one round trip and never reads
 #: the ring slot (which the arena keeps).
 INLINE_META: tl.constexpr = tl.constexpr(FEW_WRITES * 5)
-INLINE = 1 << 48
+#: Bit 63 of the H_COUNTS word, as the int64 a store into the pinned ring takes (`-(1 << 63)`).
+INLINE_BIT = 63
+INLINE = -(1 << INLINE_BIT)
 #: int64 words of one entry of the header ring: the header, then the inline batch.
 ENTRY_WORDS: tl.constexpr = tl.constexpr(8 + (FEW_WRITES * 5 + PRELOADED_VALUES) // 2)
 
@@ -194,8 +199,8 @@ def _consume_kernel_fn(
             bounds = bounds_word.to(tl.pointer_type(tl.int32))
             token = token_word.to(tl.int32)
             num_writes = (counts & 0xFFFFFFFF).to(tl.int32)
-            num_rounds = ((counts >> 32) & 0xFFFF).to(tl.int32)
-            inline = ((counts >> 48) & 1) != 0
+            num_rounds = ((counts >> 32) & 0x7FFFFFFF).to(tl.int32)
+            inline = counts < 0  # the INLINE flag is the sign bit
             multi = num_rounds > 1
             small = num_values <= PRELOADED_VALUES
             if inline:
@@ -319,9 +324,9 @@ def _c_layout() -> bool:
         from multiwrite import _cstaging
     except ImportError:
         return False
-    layout = (ENTRY_WORDS.value, FEW_WRITES.value, PRELOADED_VALUES.value)
+    layout = (ENTRY_WORDS.value, FEW_WRITES.value, PRELOADED_VALUES.value, INLINE_BIT)
     return layout == tuple(getattr(_cstaging, n, None) for n in ("GRAPH_ENTRY_WORDS", "GRAPH_INLINE_WRITES",
-                                                                "GRAPH_INLINE_VALUES"))  # fmt: skip
+                                                                "GRAPH_INLINE_VALUES", "GRAPH_INLINE_BIT"))  # fmt: skip
 
 
 _C_LAYOUT = _c_layout()

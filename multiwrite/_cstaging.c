@@ -662,7 +662,8 @@ done:
 #define INLINE_WRITES 256 /* FEW_WRITES: most writes of a batch committed inline into its entry */
 #define INLINE_VALUES 256 /* PRELOADED_VALUES: most values of such a batch */
 #define ENTRY_WORDS (HEADER_WORDS + (INLINE_WRITES * 5 + INLINE_VALUES) / 2) /* int64 words of one entry */
-#define INLINE_FLAG ((int64_t)1 << 48) /* in H_COUNTS: the batch is in the entry, not in a ring slot */
+#define INLINE_BIT 63 /* INLINE_BIT: in H_COUNTS, the batch is in the entry, not in a ring slot */
+#define INLINE_FLAG INT64_MIN /* bit 63, the sign bit: num_rounds keeps bits 32-62 (31 bits) */
 
 /* commit_graph(graph, arena, epoch_addr) -> header index, or None having changed nothing: GraphStage.commit
  * (backends/triton_graph.py) in its common case (the header ring has room, no overlapping writes; a batch of
@@ -890,7 +891,8 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
         PyModule_AddObjectRef(m, "Stager", (PyObject *)&StagerType) < 0 ||
         PyModule_AddIntConstant(m, "GRAPH_ENTRY_WORDS", ENTRY_WORDS) < 0 ||
         PyModule_AddIntConstant(m, "GRAPH_INLINE_WRITES", INLINE_WRITES) < 0 ||
-        PyModule_AddIntConstant(m, "GRAPH_INLINE_VALUES", INLINE_VALUES) < 0) {
+        PyModule_AddIntConstant(m, "GRAPH_INLINE_VALUES", INLINE_VALUES) < 0 ||
+        PyModule_AddIntConstant(m, "GRAPH_INLINE_BIT", INLINE_BIT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -318,8 +318,10 @@ def test_the_compiled_commit_lays_out_header_entries_as_the_graph_stage_does():
 
     from multiwrite import _cstaging
 
-    assert (_cstaging.GRAPH_ENTRY_WORDS, _cstaging.GRAPH_INLINE_WRITES, _cstaging.GRAPH_INLINE_VALUES) == (
-        triton_graph.ENTRY_WORDS.value, triton_graph.FEW_WRITES.value, triton_graph.PRELOADED_VALUES.value
+    assert (_cstaging.GRAPH_ENTRY_WORDS, _cstaging.GRAPH_INLINE_WRITES, _cstaging.GRAPH_INLINE_VALUES,
+            _cstaging.GRAPH_INLINE_BIT) == (
+        triton_graph.ENTRY_WORDS.value, triton_graph.FEW_WRITES.value, triton_graph.PRELOADED_VALUES.value,
+        triton_graph.INLINE_BIT,
     )
     assert triton_graph.GraphStage.C_COMMIT is True
 
@@ -339,12 +341,12 @@ def test_the_compiled_commit_publishes_the_header_the_python_commit_publishes(mo
             h = bt.commit_staged_writes()
             words = _header(bt, h)
             assert words[0] == h + 1 and words[6] & 0xFFFFFFFF == wrote
-            assert not wrote or overlap or words[6] >> 48 == 1  # inline, unless writes overlap
-            if wrote and words[6] >> 48:  # decode-sized: the batch travels in its header entry, and the arena
+            assert not wrote or overlap or words[6] < 0  # inline (the sign bit), unless writes overlap
+            if wrote and words[6] < 0:  # decode-sized: the batch travels in its header entry, and the arena
                 # keeps its ring slot
                 from multiwrite.backends.triton_graph import inline_checksum
 
-                assert words[1:5] == [0] * 4 and words[6] >> 32 == 1 | 1 << 16 and words[7] == n_values
+                assert words[1:5] == [0] * 4 and (words[6] >> 32) & 0x7FFFFFFF == 1 and words[7] == n_values
                 assert words[5] == inline_checksum(meta, values) != 0
                 e = h % bt._graph.depth
                 np.testing.assert_array_equal(bt._graph.inline_meta[e, :, :wrote], meta.T)
@@ -359,7 +361,7 @@ def test_the_compiled_commit_publishes_the_header_the_python_commit_publishes(mo
             bt._graph.launch(-1)  # the replay: consumes exactly this header
         hc, hp = _header(compiled, step // 3), _header(python, step // 3)
         assert (hc[0], hc[5], hc[6], hc[7]) == (hp[0], hp[5], hp[6], hp[7])
-        if hc[6] >> 48:  # inline: the same entry, addresses included (none)
+        if hc[6] < 0:  # inline: the same entry, addresses included (none)
             e = (step // 3) % compiled._graph.depth
             assert hc == hp
             np.testing.assert_array_equal(compiled._graph.inline_meta[e], python._graph.inline_meta[e])
@@ -419,7 +421,7 @@ def test_the_compiled_commit_of_a_batch_too_big_for_its_entry_hands_over_the_rin
         bt.append_block_ids(step % 4, [ids], True)
         h = bt.commit_staged_writes()
         words = _header(bt, h)
-        assert words[6] >> 48 == 0 and words[1:3] == [meta_addr, values_addr] and words[7] > PRELOADED_VALUES.value
+        assert words[6] >= 0 and words[1:3] == [meta_addr, values_addr] and words[7] > PRELOADED_VALUES.value
         assert bt._arena.meta_addr != meta_addr and bt._arena.num_writes == 0  # rotated into the next slot
         graph.launch(-1)
         assert bt.block_tables[0].tensor[step % 4, :n].tolist() == ids and bt.num_blocks[0, step % 4] == n

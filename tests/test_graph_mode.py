@@ -113,7 +113,7 @@ def test_inline_batches_are_checked_against_their_checksum_and_a_mismatch_is_rea
     m.stage(2, ([41, 42, 43], [44], [45, 46]), True)
     m.stage(3, ([47], [], [48]), False)
     h = m.commit()
-    assert m.bt._graph.headers[(h % m.bt._graph.depth) * ENTRY_WORDS.value + 6] >> 48 == 1  # it went inline
+    assert m.bt._graph.headers[(h % m.bt._graph.depth) * ENTRY_WORDS.value + 6] < 0  # it went inline (sign bit)
     m.bt._graph.headers[(h % m.bt._graph.depth) * ENTRY_WORDS.value + H_TOKEN] += 1
     m.replay()
     m.check()
@@ -437,3 +437,27 @@ def test_batches_at_the_edge_of_the_one_load_path_land_exactly(requests):
     m.replay()
     m.check()
     assert m.bt.num_blocks_device[0, 1].item() == 0 and m.bt[0].tensor[9, :2].tolist() == [10, 109]
+
+
+def test_a_batch_of_65536_overlap_rounds_is_published_with_all_its_rounds_and_not_inline():
+    """65,536 writes to one cell form 65,536 overlap rounds. The counts word of the header must carry them all and
+    must not read as an inline batch: with the INLINE flag at bit 48 (inside the rounds' bits) this header read as
+    an inline batch of 0 rounds, and its run applied nothing (the last write, 4242, was lost). Decoded as the
+    consume kernel decodes it; running those rounds through the interpreter takes minutes, so the replay itself
+    runs on a GPU (tests/gpu/test_graphs.py)."""
+    from multiwrite.backends.triton_graph import ENTRY_WORDS, H_COUNTS, H_META, H_NUM_VALUES, INLINE
+
+    bt = BlockTables([16], 2, [4], CPU, [16], backend=TritonCudaBackend(ring_depth=2), cuda_graphs=True)
+    n = 1 << 16
+    table = bt.block_tables[0]
+    for i in range(n - 1):
+        table.stage_write(0, 0, [i % 1000 + 1])
+    table.stage_write(0, 0, [4242])
+    meta_addr = bt._arena.meta_addr
+    h = bt.commit_staged_writes()
+    g = bt._graph
+    words = g.headers[(h % g.depth) * ENTRY_WORDS.value :][:8]
+    counts = int(words[H_COUNTS])
+    assert not counts & INLINE, "a batch of many rounds must not read as an inline batch"
+    assert (counts & 0xFFFFFFFF, (counts & ~INLINE) >> 32) == (n, n)  # every write, every round
+    assert int(words[H_META]) == meta_addr and int(words[H_NUM_VALUES]) == n

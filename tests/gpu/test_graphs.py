@@ -375,3 +375,23 @@ def test_a_host_input_is_refused_during_capture_and_nothing_is_recorded(device, 
     bt.apply_staged_writes()
     torch.cuda.synchronize(device)
     assert bt[2].tensor[0, 0].item() == 3
+
+
+def test_a_replay_applies_a_batch_of_65536_overlap_rounds_in_staging_order(device, backend_name):
+    """65,537 writes to one cell (65,537 overlap rounds), committed and replayed: the last write wins. With the
+    INLINE flag inside the rounds' bits of the header, 65,536 rounds read as an inline batch of 0 rounds and
+    65,537 as a single round: the replay applied nothing, or every write at once."""
+    bt = BlockTables([16], 2, [4], device, [16], backend=gpu_backend(backend_name), cuda_graphs=True)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph):
+        bt.apply_staged_writes()
+    table = bt.block_tables[0]
+    for i in range((1 << 16) + 1):
+        table.stage_write(0, 1, [i + 1])
+    table.stage_write(1, 0, [7])
+    bt.commit_staged_writes()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert table.tensor[0].tolist() == [0, (1 << 16) + 1, 0, 0] and table.tensor[1].tolist() == [7, 0, 0, 0]
+    assert bt._graph.consumed == 1
