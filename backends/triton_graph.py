@@ -98,6 +98,19 @@ ENTRY_WORDS: tl.constexpr = tl.constexpr(8 + (FEW_WRITES * 5 + PRELOADED_VALUES)
 
 
 @triton.jit
+def _inline_batch(batch, lanes_f, lanes_v):
+    """The inline batch of an entry (`batch`: int32 pointer to its area): its five metadata columns and its values,
+    each one contiguous load."""
+    t = tl.load(batch + lanes_f, cache_modifier=".cv")
+    row = tl.load(batch + FEW_WRITES + lanes_f, cache_modifier=".cv")
+    start = tl.load(batch + 2 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+    length = tl.load(batch + 3 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+    voff = tl.load(batch + 4 * FEW_WRITES + lanes_f, cache_modifier=".cv")
+    values = tl.load(batch + INLINE_META + lanes_v, cache_modifier=".cv")
+    return t, row, start, length, voff, values
+
+
+@triton.jit
 def _inline_checksum(t, row, start, length, voff, values, lanes_f, lanes_v, num_writes, num_values):
     """`inline_checksum` of an inline batch as loaded (int64): each live int32 of the entry's batch area times its
     position there plus one."""
@@ -186,12 +199,7 @@ def _consume_kernel_fn(
         counts = tl.sum(tl.where(lanes_h == H_COUNTS_WORD, head, 0), axis=0)
         num_values = tl.sum(tl.where(lanes_h == H_NUM_VALUES_WORD, head, 0), axis=0).to(tl.int32)
         batch = (entry + HEADER_WORDS).to(tl.pointer_type(tl.int32))
-        i_t = tl.load(batch + lanes_f, cache_modifier=".cv")
-        i_row = tl.load(batch + FEW_WRITES + lanes_f, cache_modifier=".cv")
-        i_start = tl.load(batch + 2 * FEW_WRITES + lanes_f, cache_modifier=".cv")
-        i_length = tl.load(batch + 3 * FEW_WRITES + lanes_f, cache_modifier=".cv")
-        i_voff = tl.load(batch + 4 * FEW_WRITES + lanes_f, cache_modifier=".cv")
-        i_values = tl.load(batch + INLINE_META + lanes_v, cache_modifier=".cv")
+        i_t, i_row, i_start, i_length, i_voff, i_values = _inline_batch(batch, lanes_f, lanes_v)
         ok = ok & (seq == h + 1)
         if ok:
             meta = meta_word.to(tl.pointer_type(tl.int32))
@@ -211,12 +219,7 @@ def _consume_kernel_fn(
                                     num_values) != token_word:  # fmt: skip
                     rereads += 1
                     again = batch + (seq - seq).to(tl.int32)  # an address that exists only once `seq` has arrived
-                    i_t = tl.load(again + lanes_f, cache_modifier=".cv")
-                    i_row = tl.load(again + FEW_WRITES + lanes_f, cache_modifier=".cv")
-                    i_start = tl.load(again + 2 * FEW_WRITES + lanes_f, cache_modifier=".cv")
-                    i_length = tl.load(again + 3 * FEW_WRITES + lanes_f, cache_modifier=".cv")
-                    i_voff = tl.load(again + 4 * FEW_WRITES + lanes_f, cache_modifier=".cv")
-                    i_values = tl.load(again + INLINE_META + lanes_v, cache_modifier=".cv")
+                    i_t, i_row, i_start, i_length, i_voff, i_values = _inline_batch(again, lanes_f, lanes_v)
             # A decode-sized batch (one round, few writes, few values): ALL its metadata at once, with its values,
             # and its writes done from registers. Inline (the common case), both came with the header; else both
             # are loaded from the ring slot together (both addresses come from the header: one more round trip).

@@ -20,25 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import graph_costs  # noqa: E402
 
-from multiwrite import BlockTables  # noqa: E402
-from multiwrite.bench.floor_kernel import empty_kernel  # noqa: E402
-from multiwrite.workload import CONFIGS, load_trace, max_blocks_per_group, replay_steps  # noqa: E402
+from multiwrite.workload import CONFIGS, load_trace, replay_steps  # noqa: E402
 
 
 def measure(concurrency: int, steps: int = 300) -> dict[str, float]:
-    block_sizes, kernel_block_sizes = CONFIGS["G3"]
-    bt = BlockTables(block_sizes, concurrency, max_blocks_per_group(block_sizes), "cuda", kernel_block_sizes,
-                     cuda_graphs=True)  # fmt: skip
-    word = torch.zeros(1, device="cuda")
-    empty_kernel[(1,)](word)
-    torch.cuda.synchronize()
-
-    def floor():
-        empty_kernel[(1,)](word)
-
-    def with_apply():
-        floor()
-        bt.apply_staged_writes()
+    block_sizes = CONFIGS["G3"][0]
+    bt, floor, with_apply = graph_costs.graph_mode_tables(concurrency)
 
     def two_floors():
         floor()

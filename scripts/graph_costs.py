@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,12 +63,15 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def measure(concurrency: int, steps: int) -> dict[str, float]:
+def graph_mode_tables(concurrency: int, **kw) -> tuple[BlockTables, Callable[[], None], Callable[[], None]]:
+    """G3 graph-mode tables on the GPU for `concurrency` requests (`kw`: more `BlockTables` arguments), with
+    `floor()`, one empty Triton launch (compiled now, before any capture), and `with_apply()`, the floor followed
+    by `apply_staged_writes()`: what the graphs of this script and of scripts/consume_costs.py capture."""
     block_sizes, kernel_block_sizes = CONFIGS["G3"]
     widths = max_blocks_per_group(block_sizes)
-    bt = BlockTables(block_sizes, concurrency, widths, "cuda", kernel_block_sizes, cuda_graphs=True)
+    bt = BlockTables(block_sizes, concurrency, widths, "cuda", kernel_block_sizes, cuda_graphs=True, **kw)
     word = torch.zeros(1, device="cuda")
-    empty_kernel[(1,)](word)  # compiled before any capture
+    empty_kernel[(1,)](word)
     torch.cuda.synchronize()
 
     def floor():
@@ -76,6 +80,13 @@ def measure(concurrency: int, steps: int) -> dict[str, float]:
     def with_apply():
         floor()
         bt.apply_staged_writes()
+
+    return bt, floor, with_apply
+
+
+def measure(concurrency: int, steps: int) -> dict[str, float]:
+    block_sizes = CONFIGS["G3"][0]
+    bt, floor, with_apply = graph_mode_tables(concurrency)
 
     g_with, g_without = _graph(with_apply), _graph(floor)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -11,6 +11,7 @@ benchmarks/h200-2026-12-01b/uva-latency.txt.
 """
 
 import statistics
+from collections.abc import Callable
 
 import torch
 import triton
@@ -75,42 +76,59 @@ def k_host_wide(host, out, N: tl.constexpr):
     tl.store(out + lanes, v)
 
 
-dev = torch.zeros(4096, dtype=torch.int64, device="cuda")
-out = torch.zeros(4096, dtype=torch.int64, device="cuda")
-host = torch.zeros(4096, dtype=torch.int64, pin_memory=True)
-cases = {
-    "empty": lambda: k_empty[(1,)](dev),
-    "dev_load": lambda: k_dev_load[(1,)](dev, out),
-    "host_load": lambda: k_host_load[(1,)](host, out),
-    "host_load2": lambda: k_host_load2[(1,)](host, out),
-    "host_load3": lambda: k_host_load3[(1,)](host, out),
-    "dev_then_host": lambda: k_dev_then_host[(1,)](dev, host, out),
-    "host_store": lambda: k_host_store[(1,)](host, out),
-    "host_load_store": lambda: k_host_load_store[(1,)](host, out),
-    "host_wide_1k_int64": lambda: k_host_wide[(1,)](host, out, N=1024, num_warps=4),
-    "two_empty": lambda: (k_empty[(1,)](dev), k_empty[(1,)](dev)),
-}
-for f in cases.values():
-    f()
-torch.cuda.synchronize()
-graphs = {}
-for name, f in cases.items():
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        f()
-    graphs[name] = g
-none = torch.cuda.CUDAGraph()
-with torch.cuda.graph(none):
-    pass
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-times = {n: [] for n in graphs}
-for _rep in range(300):
-    for n, g in graphs.items():
-        torch.cuda._sleep(100_000)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times[n].append(s.elapsed_time(e) * 1e3)
-for n, t in times.items():
-    print(f"{n:22s} median {statistics.median(t[50:]):6.2f} us  p10 {sorted(t[50:])[25]:6.2f}")
+def time_cases(cases: dict[str, Callable[[], object]], reps: int = 300, warmup: int = 50) -> None:
+    """Capture each case alone in a CUDA graph, replay the graphs in turn `reps` times, each queued behind ~50 us
+    of device work (so the events time device work only), and print each case's median and 10th percentile
+    replay time in us over the rounds after the first `warmup`."""
+    for f in cases.values():
+        f()  # compiled before any capture
+    torch.cuda.synchronize()
+    graphs = {}
+    for name, f in cases.items():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        graphs[name] = g
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {n: [] for n in graphs}
+    for _ in range(reps):
+        for name, g in graphs.items():
+            torch.cuda._sleep(100_000)
+            start.record()
+            g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3)
+    for name, t in times.items():
+        kept = sorted(t[warmup:])
+        print(f"{name:24s} median {statistics.median(kept):6.2f} us  p10 {kept[len(kept) // 10]:6.2f}")
+
+
+def buffers(words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int64 buffers of `words` words the cases read and write: device input, device output, pinned host."""
+    return (
+        torch.zeros(words, dtype=torch.int64, device="cuda"),
+        torch.zeros(words, dtype=torch.int64, device="cuda"),
+        torch.zeros(words, dtype=torch.int64, pin_memory=True),
+    )
+
+
+def main() -> None:
+    dev, out, host = buffers(4096)
+    cases = {
+        "empty": lambda: k_empty[(1,)](dev),
+        "dev_load": lambda: k_dev_load[(1,)](dev, out),
+        "host_load": lambda: k_host_load[(1,)](host, out),
+        "host_load2": lambda: k_host_load2[(1,)](host, out),
+        "host_load3": lambda: k_host_load3[(1,)](host, out),
+        "dev_then_host": lambda: k_dev_then_host[(1,)](dev, host, out),
+        "host_store": lambda: k_host_store[(1,)](host, out),
+        "host_load_store": lambda: k_host_load_store[(1,)](host, out),
+        "host_wide_1k_int64": lambda: k_host_wide[(1,)](host, out, N=1024, num_warps=4),
+        "two_empty": lambda: (k_empty[(1,)](dev), k_empty[(1,)](dev)),
+    }
+    time_cases(cases)
+
+
+if __name__ == "__main__":
+    main()

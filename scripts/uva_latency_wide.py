@@ -12,16 +12,11 @@ benchmarks/h200-2026-12-01b/uva-latency-wide.txt.
 import ctypes
 import glob
 import os
-import statistics
 
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def k_empty(dev):
-    pass
+from uva_latency import buffers, k_empty, time_cases
 
 
 @triton.jit
@@ -78,55 +73,38 @@ def wc_alloc(nbytes):
     return p.value
 
 
-dev = torch.zeros(8192, dtype=torch.int64, device="cuda")
-out = torch.zeros(8192, dtype=torch.int64, device="cuda")
-host = torch.zeros(8192, dtype=torch.int64, pin_memory=True)
-cases = {
-    "empty": lambda: k_empty[(1,)](dev),
-    "wide1k_volatile": lambda: k_wide[(1,)](host, out, N=1024, MODE=0),
-    "wide1k_cv": lambda: k_wide[(1,)](host, out, N=1024, MODE=1),
-    "wide1k_default": lambda: k_wide[(1,)](host, out, N=1024, MODE=2),
-    "wide64_volatile": lambda: k_wide[(1,)](host, out, N=64, MODE=0),
-    "wide256_volatile": lambda: k_wide[(1,)](host, out, N=256, MODE=0),
-    "scalar_volatile": lambda: k_scalar[(1,)](host, out, MODE=0),
-    "scalar_cv": lambda: k_scalar[(1,)](host, out, MODE=1),
-    "dev_then_wide512": lambda: k_dev_then_wide[(1,)](dev, host, out, N=512),
-    "wide512_then_wide512": lambda: k_wide_then_wide[(1,)](host, out, N=512),
-}
-try:
-    addr = wc_alloc(8192 * 8)
+def main() -> None:
+    dev, out, host = buffers(8192)
+    cases = {
+        "empty": lambda: k_empty[(1,)](dev),
+        "wide1k_volatile": lambda: k_wide[(1,)](host, out, N=1024, MODE=0),
+        "wide1k_cv": lambda: k_wide[(1,)](host, out, N=1024, MODE=1),
+        "wide1k_default": lambda: k_wide[(1,)](host, out, N=1024, MODE=2),
+        "wide64_volatile": lambda: k_wide[(1,)](host, out, N=64, MODE=0),
+        "wide256_volatile": lambda: k_wide[(1,)](host, out, N=256, MODE=0),
+        "scalar_volatile": lambda: k_scalar[(1,)](host, out, MODE=0),
+        "scalar_cv": lambda: k_scalar[(1,)](host, out, MODE=1),
+        "dev_then_wide512": lambda: k_dev_then_wide[(1,)](dev, host, out, N=512),
+        "wide512_then_wide512": lambda: k_wide_then_wide[(1,)](host, out, N=512),
+    }
+    try:
+        addr = wc_alloc(8192 * 8)
 
-    class P:  # triton accepts objects with data_ptr()
-        def __init__(s, a):
-            s.a = a
-            s.dtype = torch.int64
+        class P:  # triton accepts objects with data_ptr()
+            def __init__(s, a):
+                s.a = a
+                s.dtype = torch.int64
 
-        def data_ptr(s):
-            return s.a
+            def data_ptr(s):
+                return s.a
 
-    wcp = P(addr)
-    cases["wc_wide1k_volatile"] = lambda: k_wide[(1,)](wcp, out, N=1024, MODE=0)
-    cases["wc_dev_then_wide512"] = lambda: k_dev_then_wide[(1,)](dev, wcp, out, N=512)
-except Exception as e:
-    print("no WC:", repr(e))
-for f in cases.values():
-    f()
-torch.cuda.synchronize()
-graphs = {}
-for name, f in cases.items():
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        f()
-    graphs[name] = g
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-times = {n: [] for n in graphs}
-for _rep in range(300):
-    for n, g in graphs.items():
-        torch.cuda._sleep(100_000)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times[n].append(s.elapsed_time(e) * 1e3)
-for n, t in times.items():
-    print(f"{n:24s} median {statistics.median(t[50:]):6.2f} us  p10 {sorted(t[50:])[25]:6.2f}")
+        wcp = P(addr)
+        cases["wc_wide1k_volatile"] = lambda: k_wide[(1,)](wcp, out, N=1024, MODE=0)
+        cases["wc_dev_then_wide512"] = lambda: k_dev_then_wide[(1,)](dev, wcp, out, N=512)
+    except Exception as e:
+        print("no WC:", repr(e))
+    time_cases(cases)
+
+
+if __name__ == "__main__":
+    main()
