@@ -85,6 +85,26 @@ def _slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE: tl.constex
     return tl.minimum(tl.maximum(column, 0), width - 1), offset, owned
 
 
+@triton.jit
+def _padding_program(b, num_reqs, num_reqs_padded, dst, dst_stride, width, slots, qsl, max_tokens, lanes,
+                     DO_GATHER: tl.constexpr, DO_SLOTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Stage program `b >= num_reqs` of one group: a padding entry (`b < num_reqs_padded`) zeroes its gathered row
+    of `width` cells at `dst + b * dst_stride`; the group's last program writes PAD into the slots from
+    `qsl[num_reqs]` (the end of the scheduled tokens) up to `max_tokens`."""
+    if b < num_reqs_padded:
+        if DO_GATHER:
+            dst_row = dst + b.to(tl.int64) * dst_stride
+            for c in range(0, width, BLOCK):
+                cols = c + lanes
+                tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < width)
+    else:
+        if DO_SLOTS:
+            first = tl.maximum(tl.load(qsl + num_reqs).to(tl.int64), 0)
+            for t in range(first, max_tokens, BLOCK):
+                tokens = t + lanes
+                tl.store(slots + tokens, tl.full([BLOCK], PAD, tl.int64), mask=tokens < max_tokens)
+
+
 def _stage_kernel_fn(
     desc_ptr,  # int64 [num_groups, DESC_COLUMNS]: per group the tables' addresses, strides and block sizes
     num_blocks_ptr,  # int32 [num_groups, max_num_reqs] (device)
@@ -157,18 +177,9 @@ def _stage_kernel_fn(
                                                       CP_INTERLEAVE)  # fmt: skip
                 ids = tl.load(src_row + column, mask=owned, other=0).to(tl.int64)
                 tl.store(slots + tokens, tl.where(owned, ids * kbs + offset, PAD), mask=inside)
-    elif b < num_reqs_padded:
-        if DO_GATHER:
-            dst_row = dst + b.to(tl.int64) * dst_stride
-            for c in range(0, width, BLOCK):
-                cols = c + lanes
-                tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < width)
     else:
-        if DO_SLOTS:
-            first = tl.maximum(tl.load(qsl_ptr + num_reqs).to(tl.int64), 0)
-            for t in range(first, max_tokens, BLOCK):
-                tokens = t + lanes
-                tl.store(slots + tokens, tl.full([BLOCK], PAD, tl.int64), mask=tokens < max_tokens)
+        _padding_program(b, num_reqs, num_reqs_padded, dst, dst_stride, width, slots, qsl_ptr, max_tokens, lanes,
+                         DO_GATHER, DO_SLOTS, BLOCK)  # fmt: skip
 
 
 _stage_kernel = triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)(_stage_kernel_fn)
@@ -474,18 +485,9 @@ def _fused_kernel_fn(
                     if written:
                         ids = _overlay(ids, column, owned, seg_start, seg_len, seg_voff, values, num_values, MAX_R)
                     tl.store(slots + tokens, tl.where(owned, ids.to(tl.int64) * kbs + offset, PAD), mask=inside)
-        elif b < num_reqs_padded:
-            if DO_GATHER:
-                dst_row = dst + b.to(tl.int64) * dst_stride
-                for c in range(0, width, BLOCK):
-                    cols = c + lanes
-                    tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < width)
         else:
-            if DO_SLOTS:
-                first = tl.maximum(tl.load(qsl + num_reqs).to(tl.int64), 0)
-                for t0 in range(first, max_tokens, BLOCK):
-                    tokens = t0 + lanes
-                    tl.store(slots + tokens, tl.full([BLOCK], PAD, tl.int64), mask=tokens < max_tokens)
+            _padding_program(b, num_reqs, num_reqs_padded, dst, dst_stride, width, slots, qsl, max_tokens, lanes,
+                             DO_GATHER, DO_SLOTS, BLOCK)  # fmt: skip
     # Completion: the last program to finish (every other program's reads of the slot are done) resets the
     # counter and hands the slot back to the host (the apply kernel's guard, over the whole grid).
     tl.debug_barrier()
