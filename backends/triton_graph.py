@@ -35,9 +35,10 @@ the other, separated by barriers). It reads its consumed count from device memor
 the next header over unified virtual addressing. Every dependent load from host memory waits for a round
 trip over PCIe, about 1.5 us on the H200 for a wide load, 4 us for a one-word volatile load replicated over
 the program's threads (`benchmarks/h200-2026-12-01b/uva-latency.txt`), so an inline batch costs ONE round
-trip: count -> entry -> stores. A decode-sized batch left in its slot (overlapping writes in one round) loads
-its metadata and values together (both addresses are in the header): two round trips; bigger batches and
-batches with several rounds go tile by tile (16 writes a tile, one round trip each). It finds each write's
+trip: count -> entry -> stores. A decode-sized batch in a ring slot loads its metadata and values together
+(both addresses are in the header): two round trips; this module's commits put every such batch inline, but the
+kernel takes any header. Bigger batches and batches with several rounds go tile by tile (16 writes a tile, one
+round trip each). It finds each write's
 table through a descriptor table built once: a graph-mode `BlockTables` can never replace or resize its
 tables, so the descriptors' address is fixed for good.
 """
@@ -214,7 +215,8 @@ def _consume_kernel_fn(
             if inline:
                 # The batch as read must be the one the header describes (see `inline_checksum`); if it is not
                 # (the host was writing the entry), read it again, now ordered after the sequence word: the host
-                # writes the batch before it publishes the header.
+                # writes the batch before it publishes the header, so that read needs no second check. The
+                # header words themselves are one 64-byte line of the entry, read as one snapshot.
                 if _inline_checksum(i_t, i_row, i_start, i_length, i_voff, i_values, lanes_f, lanes_v, num_writes,
                                     num_values) != token_word:  # fmt: skip
                     rereads += 1
@@ -396,7 +398,8 @@ class GraphStage:
     Args:
         writer: the `TritonWriter` of the tables' device (its wait timeouts, kernel slot guard).
         tables: the 2-D int32 tables of the `BlockTables`, in its arena's table order (fixed for good).
-        lender: the arena's lent ring (`TritonWriter.lend`); its depth is the header ring's depth.
+        lender: the arena's lent ring (`TritonWriter.lend`); the header ring has its depth rounded up to a
+            power of two entries.
 
     Attributes:
         published: headers committed so far (host count).
@@ -406,11 +409,13 @@ class GraphStage:
             was writing the entry while a run read it: a replay issued before its commit); as last stored.
         pdl: whether captures launch the stage kernel as a programmatic dependent launch of the consume kernel
             (NVIDIA, compute capability 9.0 or newer, compiled Triton). Read at each capture: setting it to False
-            before a capture records the plain two launches (for A/B measurements).
+            before a capture records the stage kernel as a plain launch (for A/B measurements). The consume
+            kernel built with it true always lets a dependent launch start early, which a plain launch after it
+            ignores.
 
     Raises:
         BackendUnavailableError: the writer guards its slots with CUDA events (`guard="event"`): a captured
-            launch cannot record one, so graph mode needs the kernel guard.
+            launch cannot record one, so graph mode needs the kernel guard; or its ring depth is below 2.
     """
 
     #: `BlockTables.commit_staged_writes` may use `multiwrite._cstaging.commit_graph` on this object (it writes
@@ -449,6 +454,8 @@ class GraphStage:
         self._mirror_mv = memoryview(self.mirror)  # type: ignore[arg-type]
         # What the compiled commit (`multiwrite._cstaging.commit_graph`) reads besides `published`, `depth`, `lender`.
         self.headers_addr, self.mirror_addr = self.headers_t.data_ptr(), self.mirror_t.data_ptr()
+        # Each entry's 8 header words sit in one 64-byte line, which a device read sees as one snapshot.
+        assert self.headers_addr % 64 == 0 and ENTRY_WORDS.value * 8 % 64 == 0
         self.state = torch.zeros(3, dtype=torch.int64, device=device)
         rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
         assert len(rows[0]) == DESC_COLUMNS
@@ -579,7 +586,8 @@ class GraphStage:
                     torch.cuda.synchronize(writer.device)
                 if not released():
                     raise RingStallError(
-                        self._full(h, f"gave up after {time.perf_counter() - t0:.1f} s and a device synchronization")
+                        self._full(h, f"gave up after {time.perf_counter() - t0:.1f} s"
+                                   + (" and a device synchronization" if writer.is_gpu else ""))
                         + " Nothing was committed; the staged writes stay staged."
                     )
                 return
@@ -590,10 +598,11 @@ class GraphStage:
         pending = h - self.consumed
         return (
             f"commit_staged_writes (header {h}) {what} for a free slot of the graph-mode ring (depth "
-            f"{self.ring.depth}) of BlockTables on {self.writer.device}: {pending} committed batches have not been "
-            "consumed by any run of the apply kernel. Each graph replay consumes ONE committed batch and an eager "
-            "apply_staged_writes() all of them: replay the captured graph (or call apply_staged_writes()) after "
-            "each commit; if replays are queued, the stream they run on is held up by earlier work."
+            f"{self.ring.depth}; {self.depth} header entries) of BlockTables on {self.writer.device}: {pending} "
+            "committed batches have not been consumed by any run of the apply kernel. Each graph replay consumes "
+            "ONE committed batch and an eager apply_staged_writes() all of them: replay the captured graph (or call "
+            "apply_staged_writes()) after each commit; if replays are queued, the stream they run on is held up by "
+            "earlier work."
         )
 
     # -- the captured stage ------------------------------------------------------------------------

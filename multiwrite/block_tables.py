@@ -79,7 +79,8 @@ class BlockTables:
             `compute_slot_mappings` may be captured too: `prepare_inputs` records that launch plus ONE launch
             of the gather + slot-mapping kernel, the other two one such launch each. Fixed at capture: the
             addresses of the tensors passed, `num_reqs = len(idx_mapping)`, `num_reqs_padded`,
-            `num_tokens_padded`, the length of `positions`; read at replay: the values of `idx_mapping`,
+            `num_tokens_padded`, the length of `positions`, whether `is_padding` is given; read at replay: the
+            values of `idx_mapping`,
             `query_start_loc` (with `query_start_loc[num_reqs]`), `positions`, `is_padding` (see
             `multiwrite/stage_graph.py`). Needs a backend with a graph mode (`triton-cuda`, `triton-rocm`).
             Without it, every such capture is refused (`GraphCaptureError`).
@@ -541,7 +542,9 @@ class BlockTables:
         Graph mode (`cuda_graphs=True`): inside `torch.cuda.graph(...)` this records one launch of the
         consume kernel (fixed arguments) and commits nothing: each replay applies the next batch closed
         by `commit_staged_writes()`. Outside a capture it commits what is staged and applies every
-        committed batch not yet applied, in commit order (one launch; none when nothing was committed).
+        committed batch not yet applied, in commit order: one launch, or two when the header ring was full of
+        committed batches (it applies those first, so that the commit does not wait for a replay); none when
+        nothing was ever committed.
 
         Raises:
             StagedWriteError: a table was resized or `set_` in place (see the class docstring); nothing
@@ -583,9 +586,12 @@ class BlockTables:
         """Graph mode: close the staged batch as the batch of the NEXT run of the apply kernel (a replay of
         a graph that captured `apply_staged_writes()`, or an eager `apply_staged_writes()`).
 
-        The one host call per step in graph mode: it writes a header (where the batch sits in its pinned
-        ring slot, its counts, the slot's completion token) into the next entry of a pinned header ring
-        and hands the arena a fresh slot; no launch, no driver call. Staging alone cannot be picked up by
+        The one host call per step in graph mode: it writes the next entry of a pinned header ring; no launch,
+        no driver call. A batch of one overlap round with at most 256 writes and 256 values (a decode step) is
+        copied into the entry with a checksum, and the arena keeps its ring slot; a bigger one stays in its
+        pinned ring slot, the header says where (with the slot's completion token), and the arena gets a fresh
+        slot. At most `depth` committed batches (the ring depth rounded up to a power of two: 8 by default) wait
+        for a run, and at most ring depth - 1 of them in ring slots. Staging alone cannot be picked up by
         a replay: the replay runs asynchronously, while the host may already be staging the next step, so
         the kernel needs to be told where one step's batch ends. Each replay (of a captured
         `apply_staged_writes()` or `prepare_inputs(...)`) consumes exactly ONE committed batch, in commit
@@ -602,8 +608,10 @@ class BlockTables:
 
         Raises:
             StagedWriteError: the tables were not created with `cuda_graphs=True`.
-            RingStallError: the header ring is full of committed batches that no run consumed (after a
-                `RingWaitWarning` and a device synchronization); nothing was committed, the writes stay staged.
+            RingStallError: the header ring (or, for a batch that stays in its ring slot, the next slot) is
+                full of committed batches that no run consumed: the commit polls, warns (`RingWaitWarning`)
+                after the writer's `wait_warn_s` (1 s), synchronizes the device after its `wait_timeout_s`
+                (10 s), and raises if still full; nothing was committed, the writes stay staged.
         """
         graph = self._graph
         if graph is None:
@@ -781,7 +789,8 @@ class BlockTables:
         be tensors on the tables' device (values unchecked: they are read at each replay, from the engine's
         persistent buffers); fixed at capture: their addresses, `num_reqs = len(idx_mapping)`,
         `num_reqs_padded`, `num_tokens_padded`, the length of `positions` and whether `is_padding` is given.
-        Call it once eagerly before capturing so no kernel compiles in the capture, and do not capture
+        Call it once eagerly before capturing (it compiles the eager path's kernels; the captured stage kernel,
+        a variant of its own, may compile at the first capture: host work, which a capture allows), and do not capture
         `apply_staged_writes()` in the same graph (each consumes one committed batch per replay). Outside a
         capture it commits what is staged, applies every committed batch, then gathers and computes the slot
         mappings.

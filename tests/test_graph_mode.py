@@ -232,8 +232,8 @@ def test_a_full_ring_warns_then_raises_and_keeps_the_writes_staged():
     with pytest.warns(triton_kernel.RingWaitWarning) as caught, pytest.raises(triton_kernel.RingStallError) as info:
         m.bt.commit_staged_writes()  # its entry holds the unconsumed first batch
     warning = str(caught[0].message)
-    for part in ("graph-mode ring (depth 2)", "2 committed batches have not been consumed", "replay the captured graph",
-                 "apply_staged_writes()"):  # fmt: skip
+    for part in ("graph-mode ring (depth 2; 2 header entries)", "2 committed batches have not been consumed",
+                 "replay the captured graph", "apply_staged_writes()"):  # fmt: skip
         assert part in warning, part
     assert "Nothing was committed" in str(info.value)
     assert m.bt._arena.num_writes == staged and m.bt._graph.published == 2
