@@ -442,7 +442,11 @@ class GraphStage:
         self.depth = depth = _pow2(self.ring.depth)
         pin = writer.is_gpu
         device = writer.device
-        self.headers_t = torch.zeros(depth * ENTRY_WORDS.value, dtype=torch.int64, pin_memory=pin)
+        # Each entry's 8 header words sit in one 64-byte line, which a device read sees as one snapshot: the ring
+        # starts on a 64-byte boundary (entries are a multiple of 64 bytes long).
+        backing = torch.zeros(depth * ENTRY_WORDS.value + 8, dtype=torch.int64, pin_memory=pin)
+        skip = (-backing.data_ptr() % 64) // 8
+        self.headers_t = backing[skip : skip + depth * ENTRY_WORDS.value]
         self.headers = self.headers_t.numpy()
         # Each entry's inline batch (see INLINE_META), as int32 views: metadata columns [5, FEW_WRITES], values.
         entries32 = self.headers.reshape(depth, ENTRY_WORDS.value).view(np.int32)[:, 2 * HEADER_WORDS.value :]
@@ -454,7 +458,6 @@ class GraphStage:
         self._mirror_mv = memoryview(self.mirror)  # type: ignore[arg-type]
         # What the compiled commit (`multiwrite._cstaging.commit_graph`) reads besides `published`, `depth`, `lender`.
         self.headers_addr, self.mirror_addr = self.headers_t.data_ptr(), self.mirror_t.data_ptr()
-        # Each entry's 8 header words sit in one 64-byte line, which a device read sees as one snapshot.
         assert self.headers_addr % 64 == 0 and ENTRY_WORDS.value * 8 % 64 == 0
         self.state = torch.zeros(3, dtype=torch.int64, device=device)
         rows = [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables]
