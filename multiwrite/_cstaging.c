@@ -394,6 +394,30 @@ static PyObject *stager_call(Stager *self, PyObject *const *args, size_t nargsf,
     return result;
 }
 
+/* The error raised by call `index` of a batch of `calls` becomes what multiwrite.block_tables._batch_failure
+ * makes of it (which call failed, what stays staged); the original one stays if that fails. */
+static void batch_failure(Py_ssize_t index, Py_ssize_t calls, PyObject *req) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *module = PyImport_ImportModule("multiwrite.block_tables");
+    PyObject *failure = module == NULL ? NULL
+                                       : PyObject_CallMethod(module, "_batch_failure", "OnnO", value, index, calls, req);
+    Py_XDECREF(module);
+    if (failure == NULL) {
+        PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyErr_SetObject((PyObject *)Py_TYPE(failure), failure);
+    Py_DECREF(failure);
+}
+
 /* Stager.batch(req_indices, new_block_ids, overwrite): BlockTables.append_block_ids_batch. Lists or tuples of
  * one length (and a bool or such a sequence of bools) are staged call by call in C; anything else goes whole to
  * the Python method, which checks it. */
@@ -423,11 +447,14 @@ static PyObject *stager_batch_owned(Stager *self, PyObject *const *args, size_t 
         PyObject *r = call[2] == Py_True || call[2] == Py_False
                           ? stage_one(self, call[0], call[1], call[2] == Py_True, call, 3, NULL)
                           : stager_slow(self, self->slow, call, 3, NULL);
-        Py_DECREF(call[0]);
         Py_DECREF(call[1]);
         Py_DECREF(call[2]);
-        if (r == NULL)
+        if (r == NULL) {
+            batch_failure(i, n, call[0]);
+            Py_DECREF(call[0]);
             return NULL;
+        }
+        Py_DECREF(call[0]);
         Py_DECREF(r);
     }
     Py_RETURN_NONE;

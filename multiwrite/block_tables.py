@@ -45,6 +45,23 @@ _FIXED = (
 
 
 
+def _batch_failure(error: BaseException, index: int, calls: int, req_index: object) -> BaseException:
+    """The error to raise when call `index` of an `append_block_ids_batch` of `calls` calls raised `error`: the
+    same type with a message that says which call failed and what stays staged (its cause is `error`); `error`
+    itself when its type cannot be built from a message."""
+    if not isinstance(error, (ValueError, TypeError, OverflowError)):
+        return error
+    try:
+        failure = type(error)(
+            f"append_block_ids_batch: call {index} of {calls} (request row {req_index!r:.40}) failed; the {index} "
+            f"calls before it stay staged, it and the calls after it were not staged: {error}"
+        )
+    except Exception:
+        return error
+    failure.__cause__ = error
+    return failure
+
+
 def _overwrite_flag(req_index: object, overwrite: object) -> bool:
     """`overwrite` as a Python bool when it is a `numpy.bool_`; anything else but a bool is refused (a
     truthy string like "no" would overwrite, None would append)."""
@@ -352,7 +369,8 @@ class BlockTables:
         Raises:
             StagedWriteError: `req_indices`, `new_block_ids` (and a sequence `overwrite`) differ in length,
                 before anything is staged; or a call fails as `append_block_ids` would fail: the calls
-                before it stay staged, that one stages nothing, the ones after it are not made.
+                before it stay staged, that one stages nothing, the ones after it are not made. The error (of
+                the type the call raised, caused by it) names the call's position and request row.
         """
         if isinstance(overwrite, (bool, np.bool_)):
             flags: Sequence[object] = [overwrite] * len(req_indices)
@@ -370,8 +388,11 @@ class BlockTables:
                 + ": one of each per call; nothing was staged"
             )
         append = self.append_block_ids
-        for req, ids, flag in zip(req_indices, new_block_ids, flags):
-            append(req, ids, flag)
+        for i, (req, ids, flag) in enumerate(zip(req_indices, new_block_ids, flags)):
+            try:
+                append(req, ids, flag)
+            except Exception as error:
+                raise _batch_failure(error, i, len(req_indices), req) from error
 
     def _append_block_ids_python(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
         """`append_block_ids` without the compiled path: same checks, same staged data, precise errors."""

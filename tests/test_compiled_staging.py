@@ -198,13 +198,31 @@ def test_a_batch_stages_exactly_what_its_calls_stage(flags, monkeypatch):
             np.testing.assert_array_equal(got, want)
 
 
-def test_a_batch_with_a_bad_call_keeps_the_calls_before_it_and_makes_none_after():
-    bt = _tables()
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_a_batch_with_a_bad_call_keeps_the_calls_before_it_and_makes_none_after(path, monkeypatch):
+    bt = _tables() if path == "compiled" else _python_tables(monkeypatch)
     good = [[1], [2], [3]]
-    with pytest.raises(StagedWriteError, match=f"request row {REQS} is outside"):
+    with pytest.raises(StagedWriteError, match=f"request row {REQS} is outside") as info:
         bt.append_block_ids_batch([0, 1, REQS, 2], [good, good, good, good], True)
+    # The error says which call failed and what stays staged, and keeps the call's own error as its cause.
+    assert str(info.value).startswith(
+        f"append_block_ids_batch: call 2 of 4 (request row {REQS}) failed; the 2 calls before it stay staged"
+    )
+    assert isinstance(info.value.__cause__, StagedWriteError) and str(info.value).endswith(str(info.value.__cause__))
     assert bt.num_blocks[:, :3].T.tolist() == [[1, 2, 1], [1, 2, 1], [0, 0, 0]]
     assert bt._arena.num_writes == 8  # two calls x (3 groups + the counts row)
+
+
+def test_a_batch_failure_keeps_the_type_of_the_calls_error():
+    error = TypeError("boom")
+    failure = block_tables_module._batch_failure(error, 3, 5, 7)
+    assert type(failure) is TypeError and failure.__cause__ is error
+    assert str(failure) == (
+        "append_block_ids_batch: call 3 of 5 (request row 7) failed; the 3 calls before it stay staged, it and the "
+        "calls after it were not staged: boom"
+    )
+    interrupt = KeyboardInterrupt()  # not an input error: raised as it is
+    assert block_tables_module._batch_failure(interrupt, 0, 1, 0) is interrupt
 
 
 @pytest.mark.parametrize(
