@@ -452,6 +452,7 @@ class GraphStage:
         entries32 = self.headers.reshape(depth, ENTRY_WORDS.value).view(np.int32)[:, 2 * HEADER_WORDS.value :]
         self.inline_meta = entries32[:, : INLINE_META.value].reshape(depth, 5, FEW_WRITES.value)  # columns
         self.inline_values = entries32[:, INLINE_META.value : INLINE_META.value + PRELOADED_VALUES.value]
+        assert np.shares_memory(self.inline_meta, self.headers)  # views, never copies: commits write through them
         self._hv = memoryview(self.headers)  # type: ignore[arg-type]  # int64 stores without numpy scalars
         self.mirror_t = torch.zeros(3, dtype=torch.int64, pin_memory=pin)
         self.mirror = self.mirror_t.numpy()
