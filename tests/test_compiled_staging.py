@@ -346,6 +346,8 @@ def test_the_compiled_commit_lays_out_header_entries_as_the_graph_stage_does():
 
 @interpreted
 def test_the_compiled_commit_publishes_the_header_the_python_commit_publishes(monkeypatch):
+    from multiwrite.backends.triton_graph import inline_checksum
+
     compiled, python = _graph_pair(monkeypatch)
     calls = _random_calls(random.Random(5), 30)
     for step in range(0, 30, 3):
@@ -362,8 +364,6 @@ def test_the_compiled_commit_publishes_the_header_the_python_commit_publishes(mo
             assert not wrote or overlap or words[6] < 0  # inline (the sign bit), unless writes overlap
             if wrote and words[6] < 0:  # decode-sized: the batch travels in its header entry, and the arena
                 # keeps its ring slot
-                from multiwrite.backends.triton_graph import inline_checksum
-
                 assert words[1:5] == [0] * 4 and (words[6] >> 32) & 0x7FFFFFFF == 1 and words[7] == n_values
                 assert words[5] == inline_checksum(meta, values) != 0
                 e = h % bt._graph.depth
