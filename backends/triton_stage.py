@@ -227,6 +227,10 @@ def _descriptor_table(stage: StageInputs) -> torch.Tensor:
     return desc
 
 
+#: The launch option of a programmatic dependent launch (Triton >= 3.4, CUDA backend).
+_PDL_LAUNCH = {"launch_pdl": True}
+
+
 def launch_stage(
     stage: StageInputs, *, desc: torch.Tensor | None = None, scratch: torch.Tensor | None = None, pdl: bool = False
 ) -> None:
@@ -265,10 +269,6 @@ def launch_stage(
         DO_GATHER=stage.do_gather, DO_SLOTS=stage.do_slots, BLOCK=BLOCK, PDL=pdl, num_warps=NUM_WARPS,
         **_PDL_LAUNCH if pdl else {},
     )  # fmt: skip
-
-
-#: The launch option of a programmatic dependent launch (Triton >= 3.4, CUDA backend).
-_PDL_LAUNCH = {"launch_pdl": True}
 
 
 # -------------------------------------------------------------------------------------------------
