@@ -1,13 +1,25 @@
-"""Only the optional compiled staging path lives here; everything else is in pyproject.toml.
+"""Only the optional compiled staging helper lives here; everything else is in pyproject.toml.
 
-`optional=True`: where no C compiler or Python headers exist, the install goes on without it and
-BlockTables stages through its pure-Python path (same results, slower).
+`optional=True`: where no C compiler or Python headers exist, the install goes on without it and staging runs its
+exact Python twins (same results, slower; graph mode then reports that it needs the helper).
 """
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("multiwrite._cstaging", ["multiwrite/_cstaging.c"], optional=True, extra_compile_args=["-O2"])
+        Extension(
+            "multiwrite.staging._cstaging",
+            # One module from four files (multiwrite/staging/_cstaging.h says what holds what).
+            [
+                "multiwrite/staging/_cstaging.c",
+                "multiwrite/staging/_cstaging_arena.c",
+                "multiwrite/staging/_cstaging_block_ids.c",
+                "multiwrite/staging/_cstaging_headers.c",
+            ],
+            depends=["multiwrite/staging/_cstaging.h"],
+            optional=True,
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter"],
+        )
     ]
 )

@@ -2,7 +2,7 @@
 
 The fastest way to land a small batch in host memory is a loop of row copies in C: a decode step's
 handful of writes costs less than one numpy call. This backend uses the compiled helper that `pip`
-builds with multiwrite (`multiwrite/_cstaging.c`, `scatter_writes`); where it was not built (no C
+builds with multiwrite (`multiwrite/staging/_cstaging.c`, `scatter_writes`); where it was not built (no C
 compiler at install time) it reports that as its reason and `torch-cpu`, the vectorized pure-torch
 fallback, takes over. Writes land in staging order, so where they overlap the later one wins.
 """
@@ -15,12 +15,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from multiwrite import Backend, WriteBatch, hookimpl
 from multiwrite.errors import StagedWriteError
-from multiwrite.staging import SUPPORTED_DTYPES, dtype_name
+from multiwrite.plugins.backend import Backend, WriteBatch, remember
+from multiwrite.plugins.hookspecs import hookimpl
+from multiwrite.staging.layout import SUPPORTED_DTYPES, dtype_name
 
 try:
-    from multiwrite._cstaging import scatter_writes
+    from multiwrite.staging._cstaging import scatter_writes
 except ImportError:  # pragma: no cover - depends on the install
     scatter_writes = None
 
@@ -57,7 +58,7 @@ class CompiledCpuBackend(Backend):
         """Base checks, then whether the compiled helper was built."""
         reasons = super().not_supported_reasons(device, dtypes)
         if scatter_writes is None:
-            reasons.append("multiwrite._cstaging is not built (no C compiler or Python headers at install time)")
+            reasons.append("multiwrite.staging._cstaging is not built (no C compiler or Python headers at install)")
         return reasons
 
     def _describe(self, tables: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.dtype]:
@@ -74,10 +75,7 @@ class CompiledCpuBackend(Backend):
                 [(t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1]) for t in tables], dtype=np.int64
             )
             entry = (descriptors, np.dtype(SUPPORTED_DTYPES[tables[0].dtype]))
-            with self._lock:
-                while len(self._descriptors) >= DESCRIPTOR_CACHE_SIZE:
-                    del self._descriptors[next(iter(self._descriptors))]
-                self._descriptors[key] = entry
+            remember(self._descriptors, key, entry, DESCRIPTOR_CACHE_SIZE, self._lock)
         return entry
 
     def apply(self, batches: Sequence[WriteBatch]) -> None:

@@ -3,7 +3,8 @@
 Each batch becomes one scatter per storage (one in all for `BlockTables`, whose tables share one
 allocation), with cell coordinates computed by array operations (repeat and cumulative sums over the
 write metadata): no Python loop runs over writes or values. Every write is checked against its table's
-current shape first (vectorized); a write outside it raises before any cell of the batch is written.
+current shape first unless multiwrite staged and checked it (vectorized); a write outside it raises before any
+cell of the batch is written.
 
 The scatter writes through a numpy array over the storage's address range that does not own or keep
 alive the memory (see `_Plan`): the cache of plans therefore holds no tensor, storage or finalizer, and
@@ -19,9 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from multiwrite import Backend, WriteBatch, hookimpl
-from multiwrite.errors import StagedWriteError
-from multiwrite.staging import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET, dtype_name
+from multiwrite.plugins.backend import Backend, WriteBatch, remember
+from multiwrite.plugins.hookspecs import hookimpl
+from multiwrite.staging.layout import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
 
 #: Most plans kept (each a few small arrays per table, no tensor memory); the oldest goes first.
 PLAN_CACHE_SIZE = 64
@@ -53,7 +54,7 @@ class _Plan:
     such tables are alive and own that memory for the duration of the apply.
     """
 
-    __slots__ = ("groups", "base", "row_stride", "col_stride", "unit_col_stride", "rows", "cols", "shapes")
+    __slots__ = ("groups", "base", "row_stride", "col_stride", "unit_col_stride", "rows", "cols")
 
     def __init__(self, tables: Sequence[torch.Tensor]):
         storages: dict[int, tuple[np.ndarray, list[int], int]] = {}
@@ -75,46 +76,6 @@ class _Plan:
         self.unit_col_stride = bool((self.col_stride == 1).all())
         self.rows = np.asarray([t.shape[0] for t in tables], dtype=np.int64)
         self.cols = np.asarray([t.shape[1] for t in tables], dtype=np.int64)
-        self.shapes = [(tuple(t.shape), t.dtype) for t in tables]
-
-
-def check_writes(meta: np.ndarray, num_values: int, plan: _Plan, backend: str = "torch-cpu") -> None:
-    """Raise `StagedWriteError` naming the first non-empty write of `meta` that lies outside its table's
-    current shape (or outside the values); return quietly otherwise. Vectorized: no loop over writes."""
-    n = meta.shape[0]
-    if not n:
-        return
-    table = meta[:, META_TABLE]
-    length = meta[:, META_LENGTH].astype(np.int64)
-    in_range = (table >= 0) & (table < plan.rows.shape[0])
-    t = np.where(in_range, table, 0)
-    row = meta[:, META_ROW]
-    start = meta[:, META_START].astype(np.int64)
-    offset = meta[:, META_VALUE_OFFSET].astype(np.int64)
-    ok = in_range & (
-        (length == 0)
-        | (length > 0)
-        & (row >= 0)
-        & (row < plan.rows[t])
-        & (start >= 0)
-        & (start + length <= plan.cols[t])
-        & (offset >= 0)
-        & (offset + length <= num_values)
-    )
-    if ok.all():
-        return
-    w = int(np.argmin(ok))
-    tab, r, s, ln, off = (int(x) for x in meta[w, [META_TABLE, META_ROW, META_START, META_LENGTH, META_VALUE_OFFSET]])
-    if not 0 <= tab < len(plan.shapes):
-        raise StagedWriteError(
-            f"{backend}: write {w} (table {tab} of a batch of {len(plan.shapes)} tables, row {r}, start {s}, "
-            f"length {ln}) names no table of the batch; nothing was written"
-        )
-    shape, dtype = plan.shapes[tab]
-    raise StagedWriteError(
-        f"{backend}: write {w} (table {tab}, row {r}, start {s}, length {ln}) is outside its table (shape "
-        f"{shape}, {dtype_name(dtype)}) or the values (offset {off} of {num_values}); nothing was written"
-    )
 
 
 def scatter_indices(
@@ -172,22 +133,19 @@ class TorchCpuBackend(Backend):
         plan = self._plans.get(key)
         if plan is None:
             plan = _Plan(batch.tables)
-            with self._lock:
-                while len(self._plans) >= PLAN_CACHE_SIZE:
-                    del self._plans[next(iter(self._plans))]
-                self._plans[key] = plan
+            remember(self._plans, key, plan, PLAN_CACHE_SIZE, self._lock)
         return plan
 
     def apply(self, batches: Sequence[WriteBatch]) -> None:
-        """Scatter every batch into its tables; see `Backend.apply`. Every batch is checked before any
-        is written."""
+        """Scatter every batch into its tables; see `Backend.apply`. Every batch not checked by multiwrite is
+        checked (`WriteBatch.check_bounds`) before any is written."""
         work = []
         for batch in batches:
             if batch.values.shape[0] == 0:
                 continue  # only empty writes
-            plan = self._plan(batch)
-            check_writes(batch.meta, batch.values.shape[0], plan)
-            work.append((batch, plan))
+            if not batch.checked:
+                batch.check_bounds(self.NAME)
+            work.append((batch, self._plan(batch)))
         for batch, plan in work:
             meta = batch.meta
             single = len(plan.groups) == 1

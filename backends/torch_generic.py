@@ -25,8 +25,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from multiwrite import Backend, WriteBatch, hookimpl
-from multiwrite.backend import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
+from multiwrite.plugins.backend import Backend, WriteBatch
+from multiwrite.plugins.hookspecs import hookimpl
+from multiwrite.staging.layout import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
 
 #: Device types that hold no data (nothing to write into).
 _NO_DATA_DEVICE_TYPES = frozenset({"meta"})
@@ -57,11 +58,11 @@ class TorchGenericBackend(Backend):
         """Write every batch into its tables; see `Backend.apply`.
 
         Raises:
-            ValueError: a write outside its table's current shape (not possible for writes staged and
+            StagedWriteError: a write outside its table's current shape (not possible for writes staged and
                 applied through multiwrite); raised before anything of any batch is written.
         """
         for batch in batches:
-            _check_bounds(batch)
+            batch.check_bounds(self.NAME)
         for batch in batches:
             if batch.values.shape[0] == 0:
                 continue  # only empty writes
@@ -93,27 +94,6 @@ def _device_type_available(device_type: str) -> bool:
         return bool(probe())
     except Exception:
         return False
-
-
-def _check_bounds(batch: WriteBatch) -> None:
-    meta = batch.meta
-    if not meta.shape[0]:
-        return
-    shapes = np.asarray([(t.shape[0], t.shape[1]) for t in batch.tables], dtype=np.int64)
-    table = meta[:, META_TABLE].astype(np.int64)
-    rows, cols = shapes[table, 0], shapes[table, 1]
-    start, length = meta[:, META_START].astype(np.int64), meta[:, META_LENGTH].astype(np.int64)
-    end = meta[:, META_VALUE_OFFSET].astype(np.int64) + length
-    bad = (meta[:, META_ROW] < 0) | (meta[:, META_ROW] >= rows) | (start < 0) | (length < 0)
-    bad |= (start + length > cols) | (end > batch.values.shape[0])
-    if bad.any():
-        w = int(np.argmax(bad))
-        t = int(table[w])
-        raise ValueError(
-            f"torch-generic: write {w} (table {t}, row {int(meta[w, META_ROW])}, start {int(start[w])}, "
-            f"length {int(length[w])}) is outside table {t} of shape {tuple(batch.tables[t].shape)} or its "
-            f"values; nothing was written"
-        )
 
 
 def _scatter(batch: WriteBatch, meta: np.ndarray, members: list[int]) -> None:

@@ -11,41 +11,48 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from multiwrite.hookspecs import hookimpl
+from multiwrite.plugins.hookspecs import hookimpl
+from multiwrite.version import __version__
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve lazily (`__getattr__`)
-    from multiwrite.backend import Backend, WriteBatch
-    from multiwrite.block_tables import BlockTables
-    from multiwrite.dispatch import BackendStatus, available_backends, get_plugin_manager, select_backend
     from multiwrite.errors import (
         BackendError,
         BackendUnavailableError,
         ForkedCudaError,
         GraphCaptureError,
+        RingStallError,
+        RingWaitWarning,
         StagedWriteError,
         StageInputError,
     )
-    from multiwrite.staging import StagedWriteTensor
+    from multiwrite.plugins.backend import Backend, GraphPlan, TablesPlan, WriteBatch
+    from multiwrite.plugins.dispatch import BackendStatus, available_backends, get_plugin_manager, select_backend
+    from multiwrite.staging.table import StagedWriteTensor
+    from multiwrite.tables.block_tables import BlockTables
     from multiwrite.writer import FusedStagedWriter, apply_writes
 
 #: Where each public name lives. `import multiwrite` stays light (no torch, no numpy) so that the
 #: `multiwrite` command installs its Ctrl-C handling before anything heavy loads; each name is imported
 #: from its module on first use (PEP 562).
 _LAZY = {
-    "Backend": "multiwrite.backend",
-    "WriteBatch": "multiwrite.backend",
-    "BlockTables": "multiwrite.block_tables",
-    "BackendStatus": "multiwrite.dispatch",
-    "available_backends": "multiwrite.dispatch",
-    "get_plugin_manager": "multiwrite.dispatch",
-    "select_backend": "multiwrite.dispatch",
+    "Backend": "multiwrite.plugins.backend",
+    "WriteBatch": "multiwrite.plugins.backend",
+    "TablesPlan": "multiwrite.plugins.backend",
+    "GraphPlan": "multiwrite.plugins.backend",
+    "BlockTables": "multiwrite.tables.block_tables",
+    "BackendStatus": "multiwrite.plugins.dispatch",
+    "available_backends": "multiwrite.plugins.dispatch",
+    "get_plugin_manager": "multiwrite.plugins.dispatch",
+    "select_backend": "multiwrite.plugins.dispatch",
     "BackendError": "multiwrite.errors",
     "BackendUnavailableError": "multiwrite.errors",
     "ForkedCudaError": "multiwrite.errors",
     "GraphCaptureError": "multiwrite.errors",
+    "RingStallError": "multiwrite.errors",
+    "RingWaitWarning": "multiwrite.errors",
     "StagedWriteError": "multiwrite.errors",
     "StageInputError": "multiwrite.errors",
-    "StagedWriteTensor": "multiwrite.staging",
+    "StagedWriteTensor": "multiwrite.staging.table",
     "FusedStagedWriter": "multiwrite.writer",
     "apply_writes": "multiwrite.writer",
 }
@@ -64,8 +71,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__version__ = "0.2.0"  # the one place the version is written (pyproject reads it)
-
 __all__ = [
     "Backend",
     "BackendError",
@@ -75,9 +80,13 @@ __all__ = [
     "ForkedCudaError",
     "FusedStagedWriter",
     "GraphCaptureError",
+    "GraphPlan",
+    "RingStallError",
+    "RingWaitWarning",
     "StageInputError",
     "StagedWriteError",
     "StagedWriteTensor",
+    "TablesPlan",
     "WriteBatch",
     "__version__",
     "apply_writes",

@@ -9,6 +9,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from multiwrite.version import __version__
+
 
 @lru_cache(maxsize=1)
 def triton_version() -> str | None:
@@ -41,8 +43,6 @@ def device_name(device: torch.device) -> str:
 
 def environment(device: torch.device) -> dict[str, str]:
     """Versions and device name, as strings: multiwrite, torch, triton, numpy, python, device, device_name."""
-    from multiwrite import __version__
-
     return {
         "multiwrite": __version__,
         "torch": torch.__version__,

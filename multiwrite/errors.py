@@ -1,4 +1,4 @@
-"""Exceptions raised by multiwrite."""
+"""Exceptions and warnings raised by multiwrite."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ class StagedWriteError(ValueError):
     Raised at stage time (a row outside the table, a negative start, a write past the row's width, a value
     the table's dtype cannot hold or a bool, a wrong number of KV-cache groups) or at apply time (a table
     on another device than the writer's, a table that shrank below its staged writes, a `BlockTables`
-    group resized in place, tables of different dtypes over the same memory). The message names the table,
+    table resized in place, tables of different dtypes over the same memory). The message names the table,
     row, start, length and shape involved. When it is raised nothing was staged or written, and every
     write staged before stays staged.
     """
@@ -19,25 +19,23 @@ class StageInputError(ValueError):
     """Inputs of `gather_block_tables`, `compute_slot_mappings` or `prepare_inputs` that cannot be used.
 
     Raised before anything is written or applied: the message names the argument, the value or shape found
-    and what is accepted (e.g. a request row outside the tables, a padded count above the buffers, a token
-    position past its table's row). Staged writes stay staged.
+    and what is accepted (a request row outside the tables, a padded count above the buffers, a token
+    position past its request's blocks). Staged writes stay staged.
     """
 
 
 class BackendUnavailableError(RuntimeError):
-    """No backend can run the requested apply, or a forced backend cannot.
+    """No backend can run the requested work, or a forced backend cannot.
 
     The message lists each backend considered with the reasons it cannot run.
     """
 
 
 class GraphCaptureError(RuntimeError):
-    """An apply or clear was called while the current CUDA stream is being captured into a CUDA graph.
+    """A call that cannot be captured into a CUDA graph was made while the current stream captures one.
 
-    An eager apply cannot be captured (its kernel reads a host ring slot by address, so a replay would
-    write whatever batch sits there then). Raised before anything is recorded or changed: staged writes
-    stay staged. Create the tables with `BlockTables(..., cuda_graphs=True)` to capture
-    `apply_staged_writes()`, or apply outside the captured region.
+    Raised before anything is recorded or changed: staged writes stay staged. Create the tables with
+    `BlockTables(..., cuda_graphs=True)` to capture the block-table stage (docs/graph-mode.md).
     """
 
 
@@ -49,14 +47,12 @@ class ForkedCudaError(RuntimeError):
 
 
 class BackendError(RuntimeError):
-    """A backend failed while applying staged writes (`Backend.apply` raised).
+    """A backend failed while applying staged writes.
 
-    The message names the backend and the tables; the backend's own exception is the `__cause__`.
-    Nothing staged was dropped: every write of the failed apply is still staged, so calling apply again
-    (after fixing the cause) lands them all, in staging order, exactly once more; the tables may hold
-    part of them meanwhile (a backend may fail after writing some tables). `BlockTables` keeps its host
-    `num_blocks` as staged, and its staged `num_blocks` row travels with the retry, so host and device
-    counts agree after it.
+    The message names the backend and the tables; the backend's own exception is the `__cause__`. Nothing
+    staged was dropped: every write of the failed apply is still staged (and `BlockTables.num_blocks` keeps
+    the staged counts), so calling apply again after fixing the cause lands them all, in staging order; the
+    tables may hold part of them meanwhile.
 
     Attributes:
         backend: the `Backend` that failed.
@@ -67,3 +63,19 @@ class BackendError(RuntimeError):
         super().__init__(message)
         self.backend = backend
         self.tables = tables
+
+
+class RingWaitWarning(RuntimeWarning):
+    """An apply or commit has waited longer than its warning threshold (1 s) for staging memory that a
+    launched kernel still reads, or for a graph replay to consume a committed batch."""
+
+
+class RingStallError(RuntimeError):
+    """Staging memory (or a graph-mode header entry) was never released: the kernel that reads it did not run,
+    even after waiting (and, outside a CUDA graph capture, a device synchronization). Nothing was applied or
+    committed; the staged writes stay staged. The message names the memory and the likely cause."""
+
+
+#: multiwrite's own errors: a job that raises one raises it as it is, not as a `BackendError` (a refusal, a stall).
+OWN_ERRORS = (StagedWriteError, StageInputError, GraphCaptureError, ForkedCudaError, RingStallError,
+              BackendUnavailableError)  # fmt: skip

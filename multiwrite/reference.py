@@ -9,7 +9,8 @@ the table, row, start, length and shape), so that a differential test can check 
 - `ReferenceStagedTable` and `apply_staged_reference`: `StagedWriteTensor` semantics: writes staged, then
   applied (for any subset of tables, in true staging order across tables, as one `FusedStagedWriter.apply`),
   cleared, or kept when the table is replaced by another of a shape they still fit.
-- `ReferenceBlockTables`: `BlockTables` semantics: kernel block expansion, `num_blocks`, apply and clear.
+- `ReferenceBlockTables`: `BlockTables` semantics: kernel block expansion, `num_blocks`, apply and clear
+  (`misfit_kernel_block`: the check of its block sizes that `multiwrite replay` makes of its options too).
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ def apply_staged_reference(tables: Iterable[ReferenceStagedTable]) -> None:
         t.staged.clear()
 
 
+def misfit_kernel_block(block_sizes: Sequence[int], kernel_block_sizes: Sequence[int]) -> tuple[int, int, int] | None:
+    """The first group whose block size is not a multiple of its kernel block size, as `(group, block size, kernel
+    block size)`; None when each is (`zip`: the lists' common length)."""
+    return next(((g, b, kb) for g, (b, kb) in enumerate(zip(block_sizes, kernel_block_sizes)) if b % kb), None)
+
+
 class ReferenceBlockTables:
     """`BlockTables` semantics with plain numpy tables and Python loops (host only).
 
@@ -201,12 +208,13 @@ class ReferenceBlockTables:
                 f"ReferenceBlockTables: sizes must be >= 1 (block_sizes {block_sizes}, kernel_block_sizes {kbs}, "
                 f"max_num_blocks_per_group {widths}, max_num_reqs {max_num_reqs})"
             )
-        for g, (b, kb) in enumerate(zip(block_sizes, kbs)):
-            if b % kb:
-                raise StagedWriteError(
-                    f"ReferenceBlockTables: group {g} block size {b} is not a positive multiple of its kernel "
-                    f"block size {kb}"
-                )
+        misfit = misfit_kernel_block(block_sizes, kbs)
+        if misfit is not None:
+            g, b, kb = misfit
+            raise StagedWriteError(
+                f"ReferenceBlockTables: group {g} block size {b} is not a positive multiple of its kernel "
+                f"block size {kb}"
+            )
         self.k = [b // kb for b, kb in zip(block_sizes, kbs)]
         self.max_num_reqs = max_num_reqs
         self.tables = [np.zeros((max_num_reqs, m * k), dtype=np.int64) for m, k in zip(widths, self.k)]

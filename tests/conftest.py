@@ -1,14 +1,12 @@
-"""The shared backend matrix: every test that takes `backend` runs once per built-in backend.
+"""The shared backend matrix: every test that takes `backend` runs once per built-in backend, and every test that
+takes `staging` once per staging path of `BlockTables` (compiled, Python twin).
 
-Without a GPU, Triton backends run their kernels through Triton's interpreter on CPU tensors
-(`TRITON_INTERPRET=1`, set here before anything imports Triton). A backend that cannot run is skipped
-with its reasons (`pytest -rs` prints them), unless `MULTIWRITE_BACKEND` forces it: then it fails.
-
-The conformance kit (`multiwrite.testing`) is this matrix's suite: `test_matrix.py` and
-`test_properties.py` import it, and the `multiwrite_*` fixtures below point it at each `backend` case
-(and both `staging` paths). Third-party backends installed in the environment are ignored (they would
-otherwise win auto-selection and change what these tests check) unless `MULTIWRITE_BACKEND` names one
-or `MULTIWRITE_TEST_ALL_PLUGINS=1`.
+Without a GPU, the Triton backends run their kernels through Triton's interpreter on CPU tensors
+(`TRITON_INTERPRET=1`, set here before anything imports Triton). A backend that cannot run is skipped with its
+reasons (`pytest -rs` prints them), unless `MULTIWRITE_BACKEND` forces it: then it fails. Third-party backends
+installed in the environment are unregistered (they would win auto-selection and change what these tests check)
+unless `MULTIWRITE_BACKEND` names one or `MULTIWRITE_TEST_ALL_PLUGINS=1`. The conformance kit's fixtures
+(`multiwrite_*`) point the kit at each case. `provide_backends` registers a test's own backends as a plugin.
 """
 
 from __future__ import annotations
@@ -22,33 +20,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import multiwrite.dispatch as dispatch  # noqa: E402
-from multiwrite import available_backends  # noqa: E402
-from multiwrite.dispatch import BACKEND_ENV  # noqa: E402
+from multiwrite import available_backends, get_plugin_manager, hookimpl  # noqa: E402
+from multiwrite.plugins.dispatch import BACKEND_ENV, builtin_only  # noqa: E402
+from multiwrite.staging.fields import COMPILED  # noqa: E402
 
 FORCED = os.environ.get(BACKEND_ENV) or None
 BUILTIN = ("torch-cpu", "compiled-cpu", "triton-cuda", "triton-rocm", "torch-generic")
-
-
-def _only_builtin_plugins() -> None:
-    """Unregister every plugin not under `multiwrite.backends`, and forget third-party load failures."""
-    host = dispatch._get_host()
-    for _, plugin in list(host.pm.list_name_plugin()):
-        module = getattr(plugin, "__name__", None) or type(plugin).__module__
-        if not dispatch._is_builtin_module(module):
-            host.pm.unregister(plugin)
-    host.failures = {n: f for n, f in host.failures.items() if f.distribution == "multiwrite"}
-
+#: The backend auto-selection picks for CPU tables: the compiled one where the helper was built.
+CPU_DEFAULT = "compiled-cpu" if COMPILED else "torch-cpu"
 
 if os.environ.get("MULTIWRITE_TEST_ALL_PLUGINS") != "1" and (FORCED is None or FORCED in BUILTIN):
-    _only_builtin_plugins()
-
-try:  # the backend auto-selection picks for CPU tables: the compiled one where it was built
-    import multiwrite._cstaging  # noqa: F401
-
-    CPU_DEFAULT = "compiled-cpu"
-except ImportError:
-    CPU_DEFAULT = "torch-cpu"
+    builtin_only()
 
 
 @dataclass(frozen=True)
@@ -57,6 +39,11 @@ class BackendCase:
 
     name: str
     device: torch.device
+
+    @property
+    def interpreted(self) -> bool:
+        """The Triton kernels run through Triton's interpreter (slow: tests take fewer cases)."""
+        return self.device.type == "cpu" and self.name.startswith("triton")
 
     def __str__(self) -> str:
         return f"{self.name}@{self.device.type}"
@@ -86,13 +73,12 @@ def _backend_cases() -> list[object]:
                         reasons.extend(f"{device}: {r}" for r in s.reasons)
             if case:
                 break
+        why = "; ".join(reasons) or "not registered"
         if case is not None:
             params.append(pytest.param(case, id=str(case)))
         elif FORCED is not None:
-            why = "; ".join(reasons) or "not registered"
             params.append(pytest.param(None, id=name, marks=pytest.mark.forced_unavailable(why)))
         else:
-            why = "; ".join(reasons) or "not registered"
             params.append(pytest.param(None, id=name, marks=pytest.mark.skip(reason=f"{name} unavailable: {why}")))
     return params
 
@@ -113,24 +99,16 @@ def backend(request: pytest.FixtureRequest) -> BackendCase:
     return request.param
 
 
-@pytest.fixture(params=["compiled", "python"])
-def staging(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """BlockTables staging through the compiled paths (when built: `append_block_ids`, the lent ring's rotation,
-    graph mode's commit) and through the pure-Python ones (tables built after the fixture)."""
-    import multiwrite.block_tables as block_tables
-    import multiwrite.staging as staging_module
-
-    if request.param == "compiled":
-        if block_tables._stage_block_ids is None:
-            pytest.skip("multiwrite._cstaging is not built (no C compiler at install time)")
-    else:
-        monkeypatch.setattr(block_tables, "_stage_block_ids", None)
-        monkeypatch.setattr(block_tables, "_commit_graph", None)
-        monkeypatch.setattr(staging_module, "_rotate_lent", None)
+@pytest.fixture(params=["c", "python"])
+def staging(request: pytest.FixtureRequest) -> str:
+    """`BlockTables` staging through the compiled helper (where built) and through its Python twin: build tables with
+    `multiwrite.testing.staging.block_tables_class(staging)`."""
+    if request.param == "c" and not COMPILED:
+        pytest.skip("multiwrite.staging._cstaging is not built (no C compiler at install time)")
     return request.param
 
 
-# -- the conformance kit's fixtures, pointed at the matrix -------------------------------------------
+# -- the conformance kit's fixtures, pointed at the matrix ----------------------------------------------------
 @pytest.fixture
 def multiwrite_backend_name(backend: BackendCase) -> str:
     return backend.name
@@ -149,4 +127,34 @@ def multiwrite_staging(staging: str) -> str:
 @pytest.fixture
 def multiwrite_examples(backend: BackendCase) -> int:
     """Triton's interpreter runs a launch in tens of milliseconds: fewer examples there."""
-    return 120 if backend.device.type != "cpu" or backend.name in ("torch-cpu", "compiled-cpu") else 25
+    return 25 if backend.interpreted else 120
+
+
+# -- a test's own backends, registered as a plugin ------------------------------------------------------------
+@pytest.fixture
+def provide_backends():
+    """`provide_backends(name, *classes)`: register a plugin named `name` whose `multiwrite_backends` hook returns a
+    new backend of each class at each call; every plugin registered so is unregistered after the test."""
+    manager = get_plugin_manager()
+    registered: list[object] = []
+
+    def provide(name: str, *classes: type) -> None:
+        class Plugin:
+            @hookimpl
+            def multiwrite_backends(self):
+                return [cls() for cls in classes]
+
+        plugin = Plugin()
+        manager.register(plugin, name=name)
+        registered.append(plugin)
+
+    yield provide
+    for plugin in registered:
+        manager.unregister(plugin)
+
+
+@pytest.fixture
+def auto_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No `MULTIWRITE_BACKEND` for this test: it checks what dispatch selects by itself (the forced matrix of
+    `tox -e cuda` sets it)."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from multiwrite.block_tables import BlockTables
 from multiwrite.reference import PAD_SLOT_ID
+from multiwrite.tables.block_tables import BlockTables
 
 PAD: tl.constexpr = tl.constexpr(PAD_SLOT_ID)
 #: Cells or tokens per loop iteration of a program (vLLM's kernels use 1024 too).

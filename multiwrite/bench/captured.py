@@ -1,8 +1,10 @@
-"""`WriteBatch`es captured from the trace, for timing a writer's apply alone (no staging).
+"""`WriteBatch`es captured from the trace, for timing a backend's apply alone (no staging).
 
-`RecordingBackend` is a public `Backend` that copies every batch `BlockTables` hands it and (unless told
-to forward) applies nothing, so only the public plugin API is used: `backend.writer(device)`,
-`writer.apply(batches)`, `WriteBatch(...)`. Used by `bench.launch` and by scripts/ncu.py.
+`RecordingBackend` is a public `Backend` that copies every batch a `BlockTables` hands it and (unless told to
+forward) applies nothing, so only the public plugin API is used: `Backend.apply(batches)` and `WriteBatch(...)`.
+A captured batch owns its arrays (no staging `lease`: a backend that lends staging memory copies it into memory
+of its own at each apply, as it does for any batch built by hand) and keeps `checked` (multiwrite checked every
+write against its table when it was staged). Used by `multiwrite.bench.launch` and `scripts/ncu_kernel_times.py`.
 """
 
 from __future__ import annotations
@@ -12,18 +14,21 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from multiwrite.backend import Backend, WriteBatch
-from multiwrite.block_tables import BlockTables
+from multiwrite.plugins.backend import Backend, WriteBatch
+from multiwrite.tables.block_tables import BlockTables
 from multiwrite.workload import CONFIGS, load_trace, max_blocks_per_group, replay_steps
 
 
 def own_batch(b: WriteBatch) -> WriteBatch:
-    """A copy that stays valid after `Backend.apply` returns (meta/values may be staging views)."""
-    return WriteBatch(list(b.tables), b.meta.copy(), b.values.copy(), b.may_overlap, b.values_in_order)
+    """A copy that stays valid after `Backend.apply` returns (`meta` and `values` may be staging memory)."""
+    return WriteBatch(list(b.tables), b.meta.copy(), b.values.copy(), b.may_overlap, b.values_in_order,
+                      checked=b.checked)  # fmt: skip
 
 
 class RecordingBackend(Backend):
-    """Records a copy of every `apply`'s batches; applies them through `inner` only if `forward`."""
+    """Records a copy of every `apply`'s batches; applies them through `inner` only if `forward`.
+
+    It lends no staging memory (the default `staging_buffers`), so the batches it receives are plain arrays."""
 
     NAME = "recording"
 
@@ -45,16 +50,19 @@ class RecordingBackend(Backend):
 
 
 def new_triton_backend(**kw) -> Backend:
-    """A fresh `triton-cuda` backend (its own writers and rings); `kw` are its launch knobs."""
-    from multiwrite.backends.triton_cuda import TritonCudaBackend
+    """A fresh `triton-cuda` backend (its own device state: rings, descriptors, launchers); `kw` are its launch
+    knobs (`ring_depth`, `launcher`)."""
+    from multiwrite.backends.triton.backend import TritonCudaBackend
 
     return TritonCudaBackend(**kw)
 
 
-def capture_decode(device: torch.device, concurrency: int, steps: int = 120, backend: Backend | None = None):
-    """(writer, batches): the G3 apply of a steady-state trace step (the median number of writes of the last
-    50 of `steps` steps) at `concurrency`, and the writer of `backend` (a fresh `triton-cuda` one by
-    default) that applies it."""
+def capture_decode(
+    device: torch.device, concurrency: int, steps: int = 120, backend: Backend | None = None
+) -> tuple[Backend, list[WriteBatch]]:
+    """(backend, batches): the G3 apply of a steady-state trace step (the median number of writes of the last
+    50 of `steps` steps) at `concurrency`, and the backend (a fresh `triton-cuda` one by default) to apply it with
+    (`backend.apply(batches)`)."""
     bs, kbs = CONFIGS["G3"]
     backend = backend or new_triton_backend()
     rec = RecordingBackend(backend)
@@ -64,12 +72,13 @@ def capture_decode(device: torch.device, concurrency: int, steps: int = 120, bac
             bt.append_block_ids(req, ids, ow)
         bt.apply_staged_writes()
     recent = sorted(rec.captured[-50:], key=lambda batches: batches[0].num_writes)
-    batches = recent[len(recent) // 2]
-    return backend.writer(batches[0].tables[0].device), batches
+    return backend, recent[len(recent) // 2]
 
 
-def capture_burst(device: torch.device, requests: int = 256, ids_per_group: int = 1024, backend: Backend | None = None):
-    """(writer, batches, bytes): the prefill burst of `multiwrite bench` (G3; `requests` new requests x 3
+def capture_burst(
+    device: torch.device, requests: int = 256, ids_per_group: int = 1024, backend: Backend | None = None
+) -> tuple[Backend, list[WriteBatch], int]:
+    """(backend, batches, bytes): the prefill burst of `multiwrite bench` (G3; `requests` new requests x 3
     groups x `ids_per_group` manager ids, all overwrites) as one apply, and its kernel-id bytes."""
     bs, kbs = CONFIGS["G3"]
     backend = backend or new_triton_backend()
@@ -80,13 +89,12 @@ def capture_burst(device: torch.device, requests: int = 256, ids_per_group: int 
         ids = [np.arange(1 + (g * requests + r) * n, 1 + (g * requests + r + 1) * n) for g in range(3)]
         bt.append_block_ids(r, ids, True)
     bt.apply_staged_writes()
-    batches = rec.captured[0]
     nbytes = requests * ids_per_group * sum(bt.kernel_blocks_per_block) * 4
-    return backend.writer(batches[0].tables[0].device), batches, nbytes
+    return backend, rec.captured[0], nbytes
 
 
 def launches_per_apply(batches: Sequence[WriteBatch]) -> int:
-    """Kernel launches one `writer.apply(batches)` makes: one per batch with values."""
+    """Kernel launches one `backend.apply(batches)` of a Triton backend makes: one per batch with values."""
     return sum(1 for b in batches if b.values.shape[0])
 
 

@@ -1,13 +1,14 @@
 """`multiwrite bench --launch`: the Triton launch itself, next to one empty launch (GPU; interpreter smoke run).
 
-Three measurements the main bench does not make (they were scripts/gpu_check.py's timing part):
+Three measurements the main bench does not make:
 
 - **same loop**: G1 and G3 replayed through `BlockTables` on fresh `triton-cuda` backends, one per launch
   path (`auto`: Triton's compiled launcher called directly; `run`: `CompiledKernel.run`; `jit`:
-  `kernel[grid](...)`) and slot guard (`kernel`: a token stored by the kernel; `event`: a CUDA event per
-  apply). Each step, each backend in a rotating order stages, applies and synchronizes, then launches the
-  empty kernel and synchronizes: its "x empty" ratios pair every apply with an empty launch taken right
-  after it, under the same conditions. Tables are checked against the reference at the end.
+  `kernel[grid](...)`; the `launcher` argument of the backend). Each step, each backend in a rotating order
+  stages, applies and synchronizes, then launches the empty kernel and synchronizes: its "x empty" ratios pair
+  every apply with an empty launch taken right after it, under the same conditions. The kernel launches per
+  apply are counted by the backend's launchers (`device_state(device)`: apply, stage and consume launchers).
+  Tables are checked against the reference at the end.
 - **tight loop**: a captured G3 decode apply (`capture_decode`) alone, no staging, a synchronize every 50
   calls, next to the empty launch timed the same way.
 - **device, behind a sleep**: CUDA events around work queued behind `torch.cuda._sleep`, so the launch
@@ -29,19 +30,19 @@ import numpy as np
 import torch
 
 from multiwrite.bench.captured import capture_burst, capture_decode, new_triton_backend
-from multiwrite.block_tables import BlockTables
 from multiwrite.environment import synchronize
 from multiwrite.reference import ReferenceBlockTables
-from multiwrite.replay import count_mismatches
+from multiwrite.replay import count_mismatches, timed_step
+from multiwrite.tables.block_tables import BlockTables
 from multiwrite.workload import CONFIGS, Trace, max_blocks_per_group, replay_steps
 
-#: (launcher, guard) of the same-loop backends; the first is the default one.
-LAUNCH_VARIANTS = (("auto", "kernel"), ("run", "kernel"), ("jit", "kernel"), ("auto", "event"))
+#: The `launcher` of the same-loop backends; the first is the default one.
+LAUNCH_VARIANTS = ("auto", "run", "jit")
 
 
 @dataclass
 class LaunchResult:
-    """What `measure_launch` measured. `same_loop`: one dict per (configuration, C, launcher, guard);
+    """What `measure_launch` measured. `same_loop`: one dict per (configuration, C, launcher);
     `tight_loop`: per concurrency; `device`: name -> microseconds (empty off GPUs)."""
 
     same_loop: list[dict] = field(default_factory=list)
@@ -52,13 +53,14 @@ class LaunchResult:
     def failures(self) -> list[str]:
         """One line per same-loop backend whose tables differed from the reference."""
         return [
-            f"launch {r['launcher']}/{r['guard']} {r['config']} C={r['C']}: {r['mismatches']} cells differ"
+            f"launch {r['launcher']} {r['config']} C={r['C']}: {r['mismatches']} cells differ"
             for r in self.same_loop
             if r["mismatches"]
         ]
 
 
-def _empty_launcher(device: torch.device) -> Callable[[], object]:
+def empty_launcher(device: torch.device) -> Callable[[], object]:
+    """One launch of the empty Triton kernel (compiled now, outside every timed region) on `device`."""
     from multiwrite.bench.floor_kernel import empty_kernel
 
     x = torch.zeros(1, device=device)
@@ -66,6 +68,12 @@ def _empty_launcher(device: torch.device) -> Callable[[], object]:
         empty_kernel[(1,)](x)  # compile outside every timed region
     synchronize(device)
     return lambda: empty_kernel[(1,)](x)
+
+
+def launches(backend, device: torch.device) -> int:
+    """Kernel launches `backend` (a Triton backend) has issued on `device` so far, every launcher counted."""
+    state = backend.device_state(device)
+    return state.apply_launcher.launches + state.stage_launcher.launches + state.consume_launcher.launches
 
 
 def same_loop(trace: Trace, device, steps: int, warmup: int, concurrency: list[int], empty, tick) -> list[dict]:
@@ -77,22 +85,18 @@ def same_loop(trace: Trace, device, steps: int, warmup: int, concurrency: list[i
             bs, kbs = CONFIGS[config]
             schedule = list(replay_steps(trace, bs, c, steps))
             runners = []
-            for launcher, guard in LAUNCH_VARIANTS:
-                backend = new_triton_backend(launcher=launcher, guard=guard)
+            for launcher in LAUNCH_VARIANTS:
+                backend = new_triton_backend(launcher=launcher)
                 tables = BlockTables(bs, c, max_blocks_per_group(bs), device, kbs, backend=backend)
-                runners.append((launcher, guard, backend, tables, ([], [], [])))
+                runners.append((launcher, backend, tables, ([], [], []), [0, 0]))
             gc.collect()
             gc.disable()
             try:
                 for i, calls in enumerate(schedule):
                     k = i % len(runners)
-                    for *_, tables, (step_us, apply_us, empty_us) in runners[k:] + runners[:k]:
-                        t0 = clock()
-                        for req, ids, ow in calls:
-                            tables.append_block_ids(req, ids, ow)
-                        t1 = clock()
-                        tables.apply_staged_writes()
-                        t2 = clock()
+                    for _, backend, tables, (step_us, apply_us, empty_us), counted in runners[k:] + runners[:k]:
+                        before = launches(backend, tables.device)
+                        t0, t1, t2 = timed_step(tables, calls, clock)
                         synchronize(device)
                         t3 = clock()
                         empty()
@@ -102,6 +106,8 @@ def same_loop(trace: Trace, device, steps: int, warmup: int, concurrency: list[i
                             step_us.append((t2 - t0) / 1e3)
                             apply_us.append((t2 - t1) / 1e3)
                             empty_us.append((t4 - t3) / 1e3)
+                            counted[0] += launches(backend, tables.device) - before
+                            counted[1] += 1
                     tick(1)
             finally:
                 gc.enable()
@@ -109,13 +115,14 @@ def same_loop(trace: Trace, device, steps: int, warmup: int, concurrency: list[i
             for calls in schedule:
                 for req, ids, ow in calls:
                     reference.append_block_ids(req, ids, ow)
-            for launcher, guard, backend, tables, (step_us, apply_us, empty_us) in runners:
+            for launcher, backend, tables, (step_us, apply_us, empty_us), counted in runners:
                 a, s, e = (statistics.median(x) if x else float("nan") for x in (apply_us, step_us, empty_us))
                 rows.append({
-                    "config": config, "C": c, "launcher": launcher, "guard": guard, "steps": len(apply_us),
+                    "config": config, "C": c, "launcher": launcher, "steps": len(apply_us),
                     "apply_us": a, "step_us": s, "empty_us": e, "apply_x_empty": a / e, "step_x_empty": s / e,
                     "apply_p99_us": float(np.percentile(apply_us, 99)) if apply_us else float("nan"),
-                    "launch_path": backend.launch_path, "mismatches": count_mismatches(tables, reference),
+                    "launches_per_apply": counted[0] / counted[1] if counted[1] else float("nan"),
+                    "launch_path": backend.launch_paths(), "mismatches": count_mismatches(tables, reference),
                 })  # fmt: skip
     return rows
 
@@ -137,12 +144,12 @@ def tight_loop(device, n: int, concurrency: list[int], empty) -> list[dict]:
     """The tight-loop measurement (module docstring), per concurrency."""
     rows = []
     for c in concurrency:
-        writer, batches = capture_decode(device, c)
+        backend, batches = capture_decode(device, c)
         for _ in range(10):  # compile, bind the launcher, use every ring slot once
-            writer.apply(batches)
+            backend.apply(batches)
         synchronize(device)
         empty_us = _median_us(empty, n, device)
-        apply_us = _median_us(lambda w=writer, b=batches: w.apply(b), n, device)
+        apply_us = _median_us(lambda w=backend, b=batches: w.apply(b), n, device)
         rows.append({"config": "G3", "C": c, "writes": sum(b.num_writes for b in batches), "apply_us": apply_us,
                      "empty_us": empty_us, "apply_x_empty": apply_us / empty_us})  # fmt: skip
     return rows
@@ -167,18 +174,18 @@ def device_behind_sleep(device, reps: int, concurrency: list[int], burst: tuple[
 
     out = {"empty kernel": timed(empty)}
     for c in concurrency:
-        writer, batches = capture_decode(device, c)
+        backend, batches = capture_decode(device, c)
         for _ in range(10):
-            writer.apply(batches)
+            backend.apply(batches)
         synchronize(device)
-        out[f"G3 decode apply, C={c}"] = timed(lambda w=writer, b=batches: w.apply(b))
-    writer, batches, nbytes = capture_burst(device, *burst)
+        out[f"G3 decode apply, C={c}"] = timed(lambda w=backend, b=batches: w.apply(b))
+    backend, batches, nbytes = capture_burst(device, *burst)
     for _ in range(3):
-        writer.apply(batches)
+        backend.apply(batches)
     synchronize(device)
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out["prefill burst apply"] = timed(lambda: writer.apply(batches), 20e-3)  # its host memcpy comes first
+    out["prefill burst apply"] = timed(lambda: backend.apply(batches), 20e-3)  # its host memcpy comes first
     out["pinned H2D copy of the burst's bytes"] = timed(lambda: dst.copy_(src, non_blocking=True), 1e-3)
     return out
 
@@ -186,7 +193,7 @@ def device_behind_sleep(device, reps: int, concurrency: list[int], burst: tuple[
 def measure_launch(trace: Trace, device, steps: int, warmup: int, concurrency: list[int], tight_n: int,
                    burst: tuple[int, int], tick) -> LaunchResult:  # fmt: skip
     """All three measurements of the module docstring on `device` (`triton-cuda` must be able to run)."""
-    empty = _empty_launcher(device)
+    empty = empty_launcher(device)
     result = LaunchResult()
     result.same_loop = same_loop(trace, device, steps, warmup, concurrency, empty, tick)
     result.tight_loop = tight_loop(device, tight_n, concurrency, empty)

@@ -311,12 +311,15 @@ def launch_lines(r: LaunchResult) -> list[str]:
     head = "launch (--launch): host time per apply next to one empty Triton launch; median us, lower is better"
     out = ["", head]
     out.append(f"  launch path of the default backend: {r.launch_path or '-'}")
-    out.append("  same loop: each step stages, applies, synchronizes, then one empty launch; x: ratio of medians")
+    out.append(
+        "  same loop: each step stages, applies, synchronizes, then one empty launch; x: ratio of medians; "
+        "launches: kernel launches per apply, as the backend's launchers counted them"
+    )
     out += format_table(
-        ["config", "C", "launcher", "guard", "apply", "apply p99", "empty", "apply x", "step", "step x"],
-        [[x["config"], str(x["C"]), x["launcher"], x["guard"], f"{x['apply_us']:.2f}", f"{x['apply_p99_us']:.2f}",
-          f"{x['empty_us']:.2f}", f"{x['apply_x_empty']:.2f}", f"{x['step_us']:.2f}", f"{x['step_x_empty']:.2f}"]
-         for x in r.same_loop],
+        ["config", "C", "launcher", "launches", "apply", "apply p99", "empty", "apply x", "step", "step x"],
+        [[x["config"], str(x["C"]), x["launcher"], f"{x['launches_per_apply']:g}", f"{x['apply_us']:.2f}",
+          f"{x['apply_p99_us']:.2f}", f"{x['empty_us']:.2f}", f"{x['apply_x_empty']:.2f}", f"{x['step_us']:.2f}",
+          f"{x['step_x_empty']:.2f}"] for x in r.same_loop],
     )  # fmt: skip
     out.append("  tight loop: a captured G3 decode apply alone (no staging), a synchronize every 50 calls")
     out += format_table(

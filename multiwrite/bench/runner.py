@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from multiwrite.bench.variants import VARIANTS, Mismatch, Snapshot, compare, floors
-from multiwrite.block_tables import BlockTables
 from multiwrite.environment import synchronize
 from multiwrite.reference import ReferenceBlockTables
+from multiwrite.tables.block_tables import BlockTables
 from multiwrite.workload import CONFIGS, StagedCall, Trace, max_blocks_per_group, replay_steps
 
 Tick = Callable[[int], None]
@@ -124,6 +124,12 @@ class BurstResult:
     def copy_bytes_per_s(self) -> float:
         """Bandwidth of the plain copy, bytes/s (median time)."""
         return self.bytes_written / (self.copy.median_us * 1e-6)
+
+
+def launch_paths(backend: object) -> str:
+    """How `backend`'s kernels launched, for a backend that says (`launch_paths()`: the Triton backends), else ""."""
+    paths = getattr(backend, "launch_paths", None)
+    return str(paths()) if callable(paths) else ""
 
 
 def _rotations(runners: list) -> list[list]:
@@ -376,7 +382,7 @@ class BenchResult:
 
 def memory_needed(opts, device: torch.device) -> tuple[int, int, str]:
     """(host bytes, device bytes, the options responsible) of the largest part of a run of `opts` (a
-    `command.BenchOptions`), about: the configurations run one after another, so the largest counts.
+    `multiwrite.cli.bench.BenchOptions`), about: the configurations run one after another, so the largest counts.
 
     Per configuration: the int32 tables of every variant (twice on a GPU: the device pass uses fresh
     ones), the int64 reference, host snapshots. The burst: its int32 tables, the staged values (grown

@@ -24,9 +24,13 @@ Designs (`STAGE_VARIANTS`):
   launches); GPU only;
 - `graph-mode`: `BlockTables(..., cuda_graphs=True)` with `prepare_inputs` captured once per concurrency C in a
   CUDA graph, over input buffers of its own padded to C requests and `TOKEN_BUDGET` tokens (outside the timed
-  region). Timed per step: staging plus `commit_staged_writes()`, the host's whole work per step in graph mode
-  (launches: "0 (replay)"); the step's inputs are then written into its buffers and the graph replayed, outside
-  the timed region, before the synchronize. GPU only. Goal: at most 0.5 empty launch per decode step.
+  region). Timed per step: staging plus `commit_staged_writes()` (which publishes the step's batch with the
+  ticket of the next replay), the host's whole work per step in graph mode (launches: "0 (replay)"); the step's
+  inputs are then written into its buffers and the graph replayed (`torch.cuda.CUDAGraph.replay`: the consume
+  kernel applies the committed batch, the stage kernel gathers and maps), outside the timed region, before the
+  synchronize. Off a GPU, on a backend with a graph mode (the Triton backends through Triton's interpreter), the
+  capture is `multiwrite.capture.simulated_capture` and the replay its `SimulatedGraph.replay()`: verified, its
+  times those of the interpreter. Goal (GPU): at most 0.5 empty launch per decode step.
 - `ours-batched`, `graph-mode-batched`: the same, with the step staged by ONE `append_block_ids_batch` call (its
   three lists built before the timed region) instead of a Python loop of `append_block_ids` calls.
 
@@ -42,15 +46,18 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from multiwrite.bench.runner import launch_paths
 from multiwrite.bench.variants import Snapshot, compare
-from multiwrite.block_tables import BlockTables
+from multiwrite.capture import simulated_capture
 from multiwrite.environment import synchronize
 from multiwrite.errors import BackendUnavailableError
 from multiwrite.reference import ReferenceBlockTables, compute_slot_mappings_reference, gather_block_tables_reference
+from multiwrite.tables.block_tables import BlockTables
 from multiwrite.workload import CONFIGS, TOKEN_BUDGET, ScheduledStep, Trace, max_blocks_per_group, replay_schedule
 
 #: The configuration the stage goals are set on (BENCHMARKS.md).
@@ -60,12 +67,13 @@ ANCHORS_OFF_GPU = (
     "anchor-3 and anchor-2 not run: their kernels are Triton kernels, which off a GPU run through Triton's "
     "interpreter and would time the interpreter, not the design"
 )
-#: Why graph mode is not timed off a GPU.
+#: Why graph mode is not run off a GPU on a backend without a graph mode.
 GRAPH_MODE_OFF_GPU = (
     "graph-mode not run: it replays prepare_inputs captured in a CUDA graph (BlockTables(..., cuda_graphs=True)), "
-    "which needs a CUDA GPU"
+    "which needs a CUDA GPU, or off a GPU a backend with a graph mode (triton-cuda or triton-rocm through Triton's "
+    "interpreter, replayed by a simulated capture); {backend} has none"
 )
-#: The graph-mode goal of issue 10: host time per step (staging + commit) in empty launches.
+#: The graph-mode goal: host time per step (staging + commit) in empty launches.
 GRAPH_MODE_GOAL = 0.5
 
 
@@ -191,9 +199,29 @@ class Anchor2(_Anchor):
     name, launches, fused = "anchor-2", "2", True
 
 
+class Replayable(Protocol):
+    """A captured graph: `torch.cuda.CUDAGraph`, or a `multiwrite.capture.SimulatedGraph`."""
+
+    def replay(self) -> None: ...
+
+
+def capture(device: torch.device, record: Callable[[], object]) -> Replayable:
+    """`record()` captured into a graph to replay (`graph.replay()`): a CUDA graph on a GPU, else a simulated capture
+    (`multiwrite.capture.simulated_capture`: CPU tables on a backend whose launches it records)."""
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            record()
+        return graph
+    with simulated_capture() as simulated:
+        record()
+    return simulated
+
+
 class GraphMode(_Runner):
-    """Graph mode: `prepare_inputs` captured once in a CUDA graph; per step staging + `commit_staged_writes()`
-    timed, then the step's inputs written into the captured buffers and the graph replayed (not timed)."""
+    """Graph mode: `prepare_inputs` captured once in a graph (`capture`); per step staging +
+    `commit_staged_writes()` timed, then the step's inputs written into the captured buffers and the graph
+    replayed (not timed)."""
 
     name, launches = "graph-mode", "0 (replay)"
 
@@ -212,11 +240,9 @@ class GraphMode(_Runner):
         self._tokens = torch.arange(max_tokens, device=device)
         args = (self.idx, self.qsl, self.pos, concurrency, max_tokens, self.pad)
         self.bt.prepare_inputs(*args)  # compiles the kernels for these buffers: nothing compiles inside the capture
-        torch.cuda.synchronize(device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.bt.prepare_inputs(*args)
-        torch.cuda.synchronize(device)
+        synchronize(device)
+        self.graph = capture(device, lambda: self.bt.prepare_inputs(*args))
+        synchronize(device)
 
     def run(self, x: _Inputs) -> None:
         self._commit()
@@ -256,7 +282,7 @@ class StageResult:
 
 
 def _check(runner: _Runner, x: _Inputs, ref: ReferenceBlockTables) -> str:
-    """"" when the runner's gathered cells of this step and its slot mappings equal the reference's, else why."""
+    """ "" when the runner's gathered cells of this step and its slot mappings equal the reference's, else why."""
     rows, qsl, pos = x.host
     zero = [np.zeros(t.shape, dtype=np.int64) for t in ref.tables]
     want = gather_block_tables_reference(ref.tables, ref.num_blocks, rows, x.n, zero)
@@ -294,8 +320,8 @@ def measure_stage(
     result = StageResult(floor=floor)
     variants: list[type[_Runner]] = list(STAGE_VARIANTS)
     if device.type != "cuda":
-        variants = [v for v in variants if not issubclass(v, (_Anchor, GraphMode))]
-        result.skipped += [ANCHORS_OFF_GPU, GRAPH_MODE_OFF_GPU]
+        variants = [v for v in variants if not issubclass(v, _Anchor)]
+        result.skipped.append(ANCHORS_OFF_GPU)
     clock = time.perf_counter_ns
     bs, kbs = CONFIGS[STAGE_CONFIG]
     for c in concurrency:
@@ -306,6 +332,8 @@ def measure_stage(
                 runners.append(v(device, backend, c, TOKEN_BUDGET))
             except BackendUnavailableError as exc:  # e.g. graph mode on a backend without one
                 reason = f"{v.name} not run: {exc}"
+                if issubclass(v, GraphMode) and device.type != "cuda":
+                    reason = GRAPH_MODE_OFF_GPU.format(backend=runners[0].bt.backend.NAME if runners else backend)
                 if reason not in result.skipped:
                     result.skipped.append(reason)
         ref = ReferenceBlockTables(bs, c, max_blocks_per_group(bs), kbs)
@@ -366,7 +394,7 @@ def measure_stage(
                 "writes_per_step": writes,
                 "step_us": s, "step_p99_us": float(np.percentile(step_us, 99)) if step_us else math.nan,
                 "empty_us": e, "step_x_empty": s / e if e > 0 else math.nan, "mismatch": mismatch[r.name],
-                "launch_path": str(getattr(bt.backend, "launch_path", "")),
+                "launch_path": launch_paths(bt.backend),
             })  # fmt: skip
     return result
 
@@ -382,9 +410,9 @@ def stage_lines(r: StageResult, gpu: bool, format_table: Callable) -> list[str]:
     legend = (
         "ours: prepare_inputs; ours-3-calls: apply, gather_block_tables, compute_slot_mappings; anchor-3: our "
         "apply + vLLM-style gather and slot-mapping kernels; anchor-2: our apply + fused gather/slot mapping "
-        "(vllm-project/vllm PR #34660); graph-mode: prepare_inputs captured in a CUDA graph, timed: staging + "
-        "commit_staged_writes (the replay runs untimed); -batched: the step staged by one append_block_ids_batch "
-        "call instead of a loop of append_block_ids"
+        "(vllm-project/vllm PR #34660); graph-mode: prepare_inputs captured in a CUDA graph (off a GPU: a simulated "
+        "capture), timed: staging + commit_staged_writes (the replay runs untimed); -batched: the step staged by one "
+        "append_block_ids_batch call instead of a loop of append_block_ids"
     )
     out = ["", textwrap.fill(head, 110), textwrap.fill(legend, 110, initial_indent="  ", subsequent_indent="  ")]
     out += format_table(

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from multiwrite.backend import Backend
-from multiwrite.block_tables import BlockTables
+from multiwrite.plugins.backend import Backend
 from multiwrite.reference import ReferenceBlockTables
+from multiwrite.tables.block_tables import BlockTables
 from multiwrite.workload import StagedCall
 
 
@@ -74,10 +74,21 @@ def compare(snapshot: Snapshot, reference: ReferenceBlockTables | Any) -> Mismat
     return Mismatch(cells, first) if cells else None
 
 
-class FusedVariant:
-    """`BlockTables.apply_staged_writes`: every group's writes in one backend call."""
+class TablesSpec(NamedTuple):
+    """The tables a variant builds: the arguments of every variant's constructor."""
 
-    name = "fused"
+    block_sizes: Sequence[int]
+    kernel_block_sizes: Sequence[int]
+    max_num_reqs: int
+    max_blocks: Sequence[int]
+    device: torch.device | str
+    backend: str | None
+
+
+class _Variant:
+    """A staging design under test: `stage(calls)` (host only), `apply()`, `snapshot()`."""
+
+    name = ""
 
     def __init__(
         self,
@@ -88,12 +99,15 @@ class FusedVariant:
         device: torch.device | str,
         backend: str | None = None,
     ) -> None:
-        self.tables = BlockTables(block_sizes, max_num_reqs, max_blocks, device, kernel_block_sizes, backend=backend)
-        self._append = self.tables.append_block_ids
+        self.tables = self.build(TablesSpec(block_sizes, kernel_block_sizes, max_num_reqs, max_blocks, device, backend))
+
+    def build(self, spec: TablesSpec) -> Any:
+        """The variant's tables."""
+        raise NotImplementedError
 
     def stage(self, calls: Sequence[StagedCall]) -> None:
-        """Stage a step's calls (host only)."""
-        append = self._append
+        """Stage a step's calls (host only): one `append_block_ids` per call."""
+        append = self.tables.append_block_ids
         for req, ids, overwrite in calls:
             append(req, ids, overwrite)
 
@@ -101,51 +115,59 @@ class FusedVariant:
         """One `apply_staged_writes` (asynchronous on a GPU)."""
         self.tables.apply_staged_writes()
 
+    def table_tensors(self) -> list[torch.Tensor]:
+        """The group tables, on the device."""
+        raise NotImplementedError
+
     def snapshot(self) -> Snapshot:
         """Final tables and num_blocks, copied to the host."""
         t = self.tables
-        return Snapshot(
-            [s.tensor.cpu().numpy() for s in t.block_tables], t.num_blocks.copy(), t.num_blocks_device.cpu().numpy()
-        )
+        return Snapshot([x.cpu().numpy() for x in self.table_tensors()], t.num_blocks.copy(),
+                        t.num_blocks_device.cpu().numpy())  # fmt: skip
 
 
-class PerGroupVariant:
+class FusedVariant(_Variant):
+    """`BlockTables.apply_staged_writes`: every group's writes in one backend call."""
+
+    name = "fused"
+
+    def build(self, spec: TablesSpec) -> BlockTables:
+        return BlockTables(spec.block_sizes, spec.max_num_reqs, spec.max_blocks, spec.device, spec.kernel_block_sizes,
+                           backend=spec.backend)  # fmt: skip
+
+    def table_tensors(self) -> list[torch.Tensor]:
+        return [s.tensor for s in self.tables.block_tables]
+
+
+class PerGroupVariant(_Variant):
     """One single-group `BlockTables` per KV-cache group, staged and applied one after another."""
 
     name = "per-group"
 
-    def __init__(
-        self,
-        block_sizes: Sequence[int],
-        kernel_block_sizes: Sequence[int],
-        max_num_reqs: int,
-        max_blocks: Sequence[int],
-        device: torch.device | str,
-        backend: str | None = None,
-    ) -> None:
-        self.groups = [
-            BlockTables([bs], max_num_reqs, [m], device, [kbs], backend=backend)
-            for bs, kbs, m in zip(block_sizes, kernel_block_sizes, max_blocks)
+    def build(self, spec: TablesSpec) -> list[BlockTables]:
+        return [
+            BlockTables([bs], spec.max_num_reqs, [m], spec.device, [kbs], backend=spec.backend)
+            for bs, kbs, m in zip(spec.block_sizes, spec.kernel_block_sizes, spec.max_blocks)
         ]
 
     def stage(self, calls: Sequence[StagedCall]) -> None:
         """Stage each call's ids of group g into table g (host only)."""
-        appends = [t.append_block_ids for t in self.groups]
+        appends = [t.append_block_ids for t in self.tables]
         for req, ids, overwrite in calls:
             for append, group_ids in zip(appends, ids):
                 append(req, (group_ids,), overwrite)
 
     def apply(self) -> None:
         """One `apply_staged_writes` per group (one backend call each where something is staged)."""
-        for t in self.groups:
+        for t in self.tables:
             t.apply_staged_writes()
 
     def snapshot(self) -> Snapshot:
         """Final tables and num_blocks, copied to the host."""
         return Snapshot(
-            [t.block_tables[0].tensor.cpu().numpy() for t in self.groups],
-            np.concatenate([t.num_blocks for t in self.groups]),
-            np.concatenate([t.num_blocks_device.cpu().numpy() for t in self.groups]),
+            [t.block_tables[0].tensor.cpu().numpy() for t in self.tables],
+            np.concatenate([t.num_blocks for t in self.tables]),
+            np.concatenate([t.num_blocks_device.cpu().numpy() for t in self.tables]),
         )
 
 
@@ -200,36 +222,17 @@ class NaiveTables:
             self._dirty = False
 
 
-class NaiveVariant:
-    """`NaiveTables`: one device tensor and one slice assignment per write."""
+class NaiveVariant(_Variant):
+    """`NaiveTables`: one device tensor and one slice assignment per write (`apply`: every write of the step to
+    the device, then num_blocks)."""
 
     name = "naive"
 
-    def __init__(
-        self,
-        block_sizes: Sequence[int],
-        kernel_block_sizes: Sequence[int],
-        max_num_reqs: int,
-        max_blocks: Sequence[int],
-        device: torch.device | str,
-        backend: str | None = None,
-    ) -> None:
-        self.tables = NaiveTables(block_sizes, kernel_block_sizes, max_num_reqs, max_blocks, device)
+    def build(self, spec: TablesSpec) -> NaiveTables:
+        return NaiveTables(spec.block_sizes, spec.kernel_block_sizes, spec.max_num_reqs, spec.max_blocks, spec.device)
 
-    def stage(self, calls: Sequence[StagedCall]) -> None:
-        """Expand and book-keep a step's calls (host only)."""
-        append = self.tables.append_block_ids
-        for req, ids, overwrite in calls:
-            append(req, ids, overwrite)
-
-    def apply(self) -> None:
-        """Every write of the step to the device, then num_blocks."""
-        self.tables.apply_staged_writes()
-
-    def snapshot(self) -> Snapshot:
-        """Final tables and num_blocks, copied to the host."""
-        t = self.tables
-        return Snapshot([x.cpu().numpy() for x in t.tables], t.num_blocks.copy(), t.num_blocks_device.cpu().numpy())
+    def table_tensors(self) -> list[torch.Tensor]:
+        return self.tables.tables
 
 
 #: The verified variants, in the order the tables print them.

@@ -109,10 +109,10 @@ def kit_problem(name: str, device: str | None = None) -> str | None:
     import torch
 
     from multiwrite import available_backends
-    from multiwrite.testing.plugin import _candidate_devices
+    from multiwrite.testing.plugin import candidate_devices
 
     try:
-        candidates = [torch.device(device)] if device else _candidate_devices()
+        candidates = [torch.device(device)] if device else candidate_devices()
     except (RuntimeError, ValueError) as exc:
         return f"bad --device {device!r}: {exc}"
     why = []
@@ -154,7 +154,5 @@ def check_backend(
         out(output.strip()[-2000:])
     verdict = code == 0 and results and not failed
     where = f" on {device}" if device else ""
-    out(
-        f"result: {name}{where}: " + ("OK, every property holds" if verdict else f"FAILED ({len(failed)} properties)")
-    )
+    out(f"result: {name}{where}: " + ("OK, every property holds" if verdict else f"FAILED ({len(failed)} properties)"))
     return 0 if verdict else 1

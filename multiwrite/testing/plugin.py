@@ -13,8 +13,10 @@ Fixtures an author overrides for a device this kit has never seen:
     multiwrite_tensor_factory: `(shape, dtype) -> zero-filled tensor on the device`.
     multiwrite_to_host: `tensor -> numpy array` (waits for the device).
     multiwrite_examples: hypothesis examples per property test (default `--multiwrite-examples`, 50).
-    multiwrite_staging: a hook for how `BlockTables` stages (multiwrite's own tests run both staging
-        paths through it); the default does nothing.
+    multiwrite_staging: how the kit's `BlockTables` stage block ids: "default" (multiwrite's choice: the
+        compiled helper where it is built), "c" or "python" (`multiwrite.testing.staging.block_tables_class`;
+        multiwrite's own tests run both). The kit's tests that build `BlockTables` take it, and build them with
+        `Kit.block_tables(..., staging=multiwrite_staging)`.
 """
 
 from __future__ import annotations
@@ -129,6 +131,24 @@ class Kit:
         t.tensor = self.tensor(tuple(t.shape), dtype)
         return t
 
+    def block_tables(
+        self,
+        block_sizes: Any,
+        max_num_reqs: int,
+        max_num_blocks_per_group: Any,
+        kernel_block_sizes: Any = None,
+        *,
+        staging: str = "default",
+        **kwargs: Any,
+    ) -> Any:
+        """A `BlockTables` on the device, forced to the backend under test, staging block ids through `staging`
+        (the `multiwrite_staging` fixture: "default", "c" or "python"; see
+        `multiwrite.testing.staging.block_tables_class`). `kwargs`: more `BlockTables` keywords."""
+        from multiwrite.testing.staging import block_tables_class
+
+        return block_tables_class(staging)(block_sizes, max_num_reqs, max_num_blocks_per_group, self.device,
+                                           kernel_block_sizes, backend=self.backend, **kwargs)  # fmt: skip
+
 
 @pytest.fixture
 def multiwrite_backend_name(request: pytest.FixtureRequest) -> str:
@@ -148,7 +168,7 @@ def multiwrite_device(request: pytest.FixtureRequest, multiwrite_backend_name: s
     from multiwrite import available_backends
 
     given = request.config.getoption("--multiwrite-device")
-    candidates = [torch.device(given)] if given else _candidate_devices()
+    candidates = [torch.device(given)] if given else candidate_devices()
     why = []
     for device in candidates:
         for s in available_backends(device):
@@ -159,7 +179,8 @@ def multiwrite_device(request: pytest.FixtureRequest, multiwrite_backend_name: s
     pytest.fail(f"backend {multiwrite_backend_name!r} cannot run: " + (" | ".join(why) or "it is not registered"))
 
 
-def _candidate_devices() -> list[Any]:
+def candidate_devices() -> list[Any]:
+    """The devices the kit tries when none is given, in order: the current CUDA device, XPU, MPS, CPU."""
     import torch
 
     devices = []
@@ -197,7 +218,8 @@ def multiwrite_examples(request: pytest.FixtureRequest) -> int:
 
 @pytest.fixture
 def multiwrite_staging() -> str:
-    """How `BlockTables` stages in this test; the default leaves multiwrite's choice alone."""
+    """How the kit's `BlockTables` stage block ids ("default", "c" or "python"; `Kit.block_tables`); the
+    default leaves multiwrite's choice alone."""
     return "default"
 
 

@@ -9,7 +9,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from multiwrite import BlockTables
 from multiwrite.reference import ReferenceBlockTables, apply_writes_reference
 
 DTYPES = {"int32": torch.int32, "int64": torch.int64, "float32": torch.float32}
@@ -110,7 +109,7 @@ def test_random_block_tables_match_reference(multiwrite_kit, multiwrite_staging)
     @given(block_table_calls())
     def check(case):
         block_sizes, kernel, reqs, max_blocks, steps = case
-        bt = BlockTables(block_sizes, reqs, max_blocks, kit.device, kernel, backend=kit.backend)
+        bt = kit.block_tables(block_sizes, reqs, max_blocks, kernel, staging=multiwrite_staging)
         ref = ReferenceBlockTables(block_sizes, reqs, max_blocks, kernel)
         for calls in steps:
             for call in calls:

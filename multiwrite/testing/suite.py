@@ -14,6 +14,7 @@ import torch
 
 from multiwrite import BlockTables, StagedWriteError
 from multiwrite.reference import ReferenceBlockTables, apply_writes_reference
+from multiwrite.testing.staging import block_tables_class
 
 DTYPES = [torch.int32, torch.int64, torch.float32]
 _NP = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
@@ -25,8 +26,9 @@ def kit(multiwrite_kit):
     return multiwrite_kit
 
 
-def _block_tables(kit, block_sizes, reqs, widths, kernel=None) -> BlockTables:
-    return BlockTables(block_sizes, reqs, widths, kit.device, kernel, backend=kit.backend)
+def _block_tables(kit, staging, block_sizes, reqs, widths, kernel=None) -> BlockTables:
+    """`BlockTables` on the backend under test, staging through `staging` (the `multiwrite_staging` fixture)."""
+    return kit.block_tables(block_sizes, reqs, widths, kernel, staging=staging)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -143,7 +145,7 @@ def test_kernel_block_expansion(kit):
 
 def test_block_tables_with_kernel_block_sizes(kit, multiwrite_staging):
     """Three KV-cache groups, kernel block sizes 16/16/8: ids expanded, num_blocks on host and device."""
-    bt = _block_tables(kit, [16, 32, 8], 4, [8, 8, 8], [16, 16, 8])
+    bt = _block_tables(kit, multiwrite_staging, [16, 32, 8], 4, [8, 8, 8], [16, 16, 8])
     assert bt.backend.NAME == kit.backend
     bt.append_block_ids(0, ([1, 2], [10, 11], []), overwrite=True)
     bt.append_block_ids(1, ([3], [12], [5, 6]), overwrite=True)
@@ -166,7 +168,7 @@ def test_block_tables_with_kernel_block_sizes(kit, multiwrite_staging):
 def test_block_tables_restaged_row_in_one_step(kit, multiwrite_staging):
     """One row staged three times before one apply (admitted, preempted, re-admitted): the last wins,
     in the ids and in num_blocks."""
-    bt = _block_tables(kit, [16, 16], 2, [4, 4])
+    bt = _block_tables(kit, multiwrite_staging, [16, 16], 2, [4, 4])
     ref = ReferenceBlockTables([16, 16], 2, [4, 4])
     calls = [(0, ([1, 2, 3], [4]), True), (0, ([5], [6, 7, 8]), True), (0, ([9], [10]), False), (1, ([11], []), True)]
     for call in calls:
@@ -181,7 +183,7 @@ def test_block_tables_restaged_row_in_one_step(kit, multiwrite_staging):
 
 def test_partial_apply_keeps_the_other_groups_staged(kit, multiwrite_staging):
     """Applying some tables of a shared staging arena leaves the others' writes staged, then lands them."""
-    bt = _block_tables(kit, [16, 32, 8], 4, [8, 8, 8], [16, 16, 8])
+    bt = _block_tables(kit, multiwrite_staging, [16, 32, 8], 4, [8, 8, 8], [16, 16, 8])
     bt.append_block_ids(0, ([1], [2], [3]), overwrite=True)
     kit.writer().apply([bt[1]])
     assert kit.host(bt[1].tensor)[0, :2].tolist() == [4, 5]
@@ -248,8 +250,77 @@ def test_replay_with_overlapping_writes_matches_reference(kit, multiwrite_stagin
     from multiwrite.workload import load_trace
 
     result = run_replay(
-        load_trace(None), [16, 32, 8], [16, 16, 8], 6, 80, kit.device, kit.backend, check_every=20, overlap_rate=0.25
+        load_trace(None),
+        [16, 32, 8],
+        [16, 16, 8],
+        6,
+        80,
+        kit.device,
+        kit.backend,
+        check_every=20,
+        overlap_rate=0.25,
+        tables_class=block_tables_class(multiwrite_staging),
     )
     assert result.overlapping_writes > 20
     assert result.checks >= 4
     assert result.mismatches == 0
+
+
+def test_a_hand_built_batch_outside_its_table_is_refused(kit):
+    """A `WriteBatch` multiwrite did not stage (`checked` false) with a write running past its row: the backend
+    refuses it with `StagedWriteError` before writing anything of any batch (`WriteBatch.check_bounds`); clipping
+    it silently is a failure."""
+    from multiwrite import WriteBatch, select_backend
+
+    backend = select_backend(kit.device, kit.backend)
+    good, bad = kit.tensor((3, 4), torch.int32), kit.tensor((3, 4), torch.int32)
+    meta_good = np.array([(0, 0, 0, 2, 0)], np.int32)
+    meta_bad = np.array([(0, 2, 1, 2, 0), (0, 1, 2, 3, 2)], np.int32)  # write 1 ends at column 5 of 4
+    batches = [
+        WriteBatch([good], meta_good, np.array([7, 8], np.int32), False, values_in_order=True, checked=False),
+        WriteBatch([bad], meta_bad, np.arange(1, 6, dtype=np.int32), False, values_in_order=True, checked=False),
+    ]
+    with pytest.raises(StagedWriteError):
+        backend.apply(batches)
+    assert not kit.host(good).any() and not kit.host(bad).any(), "a refused apply wrote cells"
+
+
+@pytest.mark.parametrize("inputs", ["host", "device"])
+def test_the_block_table_stage_matches_the_reference(kit, multiwrite_staging, inputs):
+    """`prepare_inputs`, `gather_block_tables` and `compute_slot_mappings` (the plan's stage: gather into batch
+    order, zero padding rows, slots with kernel block sizes, -1 for padding tokens and past the scheduled tokens)
+    equal `multiwrite.reference`, inputs on the host or on the tables' device."""
+    from multiwrite.reference import compute_slot_mappings_reference, gather_block_tables_reference
+
+    bs, kbs, widths, reqs, budget = [16, 32, 8], [16, 16, 8], [5, 4, 6], 6, 24
+    bt = kit.block_tables(bs, reqs, widths, kbs, staging=multiwrite_staging, max_num_batched_tokens=budget)
+    ref = ReferenceBlockTables(bs, reqs, widths, kbs)
+    ref_inputs = [np.zeros((reqs, w * (b // k)), np.int32) for w, b, k in zip(widths, bs, kbs)]
+    device = kit.device if inputs == "device" else torch.device("cpu")
+    steps = [  # (calls, idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding)
+        ([(2, ([1, 2], [3], [4, 5, 14]), True), (4, ([6], [7], [8]), True)], [2, 4], [0, 20, 21], [*range(20), 0],
+         3, 22, None),
+        ([(2, ([9], [], [10]), False), (5, ([11], [12], [13]), True)], [4, 2, 5], [0, 1, 2, 3], [1, 20, 15], 4, 4,
+         [False, False, True, False]),
+    ]  # fmt: skip
+    for calls, idx, qsl, pos, padded, tokens, pad in steps:
+        for call in calls:
+            bt.append_block_ids(*call)
+            ref.append_block_ids(*call)
+        t = {k: torch.tensor(v, dtype=dt, device=device) for k, v, dt in
+             (("idx", idx, torch.int32), ("qsl", qsl, torch.int32), ("pos", pos, torch.int64))}  # fmt: skip
+        t_pad = None if pad is None else torch.tensor(pad + [True] * (tokens - len(pad)), device=device)
+        gathered, slots = bt.prepare_inputs(t["idx"], t["qsl"], t["pos"], padded, tokens, t_pad)
+        ref.apply_staged_writes()
+        pad_list = None if t_pad is None else t_pad.cpu().tolist()
+        want = gather_block_tables_reference(ref.tables, ref.num_blocks, idx, padded, ref_inputs)
+        want_slots = compute_slot_mappings_reference(ref.tables, kbs, idx, qsl, pos, tokens, pad_list)
+        for g in range(len(bs)):
+            np.testing.assert_array_equal(kit.host(gathered[g]), want[g], err_msg=f"group {g} gathered")
+        np.testing.assert_array_equal(kit.host(slots), want_slots, err_msg="slot mappings")
+        # the same through the two separate calls
+        again = bt.gather_block_tables(t["idx"], padded)
+        slots_again = bt.compute_slot_mappings(t["idx"], t["qsl"], t["pos"], tokens, t_pad)
+        for g in range(len(bs)):
+            np.testing.assert_array_equal(kit.host(again[g]), want[g], err_msg=f"group {g} gather_block_tables")
+        np.testing.assert_array_equal(kit.host(slots_again), want_slots, err_msg="compute_slot_mappings")

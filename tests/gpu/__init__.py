@@ -1,1 +1,0 @@
-"""GPU acceptance tests: a package, so that its conftest does not shadow tests/conftest.py."""

@@ -1,8 +1,6 @@
-"""GPU acceptance tests (issue 8, issue 11): every test under tests/gpu gets the `gpu` marker and is skipped,
-with its reason, where torch sees no GPU. On a GPU machine run `pytest tests/gpu` (or `tox -e cuda`,
-which runs the whole suite with triton-cuda forced). Shared workloads live in `gpu_helpers.py`. The
-directory is a package (`__init__.py`), so this conftest does not shadow `tests/conftest.py`, which other
-tests import as `conftest`.
+"""Tests that need a real GPU: every test under this directory gets the `gpu` marker and is skipped, with its reason,
+where torch sees no GPU. On a GPU machine: `pytest tests/gpu` (or `tox -e cuda` / `tox -e rocm`, which run the whole
+suite with the GPU backend forced). The directory is a package, so that this conftest applies to it alone.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def device() -> torch.device:
-    """The current CUDA device, with its index."""
+    """The current CUDA (or ROCm) device, with its index."""
     return torch.device("cuda", torch.cuda.current_device())
 
 

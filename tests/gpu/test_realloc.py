@@ -1,5 +1,5 @@
-"""Reallocated tables (the `.tensor` setter, `resize_`, `set_`): writes land in the storage installed now,
-and the old storage (or whatever reuses its memory) is never written."""
+"""Reallocated tables on a GPU (the `.tensor` setter, `resize_`, `set_`): writes land in the storage installed now, and
+the old storage (or whatever reuses its memory) is never written; a BlockTables group cannot be replaced."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from multiwrite import FusedStagedWriter, StagedWriteError, StagedWriteTensor
-
-from .gpu_helpers import RandomBlockTables, gpu_backend, warm_up
+from tests.gpu.helpers import RandomBlockTables, gpu_backend, warm_up
 
 
 @pytest.fixture
@@ -29,12 +28,19 @@ def _stage(t, ref, rng, n=20, cols=None):
         ref[row, start : start + m] = vals
 
 
-def test_replaced_through_the_setter(device, writer):
-    rng = np.random.default_rng(11)
-    t = StagedWriteTensor((32, 64), torch.int32, device, name="a")
+def _applied(device, writer, name, seed):
+    """A `(32, 64)` int32 table on `device` with 20 random writes applied by `writer` (not synchronized), its reference
+    and the generator to go on with."""
+    rng = np.random.default_rng(seed)
+    t = StagedWriteTensor((32, 64), torch.int32, device, name=name)
     ref = np.zeros((32, 64), np.int64)
     _stage(t, ref, rng)
     writer.apply([t])
+    return t, ref, rng
+
+
+def test_replaced_through_the_setter(device, writer):
+    t, ref, rng = _applied(device, writer, "a", 11)
     old = t.tensor
     old_snapshot = old.cpu().numpy().copy()
     new = old.clone()
@@ -47,12 +53,8 @@ def test_replaced_through_the_setter(device, writer):
     np.testing.assert_array_equal(old.cpu().numpy(), old_snapshot)
 
 
-def test_resize_in_place_to_more_columns(device, writer):
-    rng = np.random.default_rng(12)
-    t = StagedWriteTensor((32, 64), torch.int32, device, name="b")
-    ref = np.zeros((32, 64), np.int64)
-    _stage(t, ref, rng)
-    writer.apply([t])
+def test_resized_in_place_to_more_columns(device, writer):
+    t, ref, rng = _applied(device, writer, "b", 12)
     torch.cuda.synchronize(device)
     t.tensor.resize_(32, 96)  # reallocates: the old block goes back to the caching allocator
     t.tensor.zero_()
@@ -67,11 +69,7 @@ def test_resize_in_place_to_more_columns(device, writer):
 
 
 def test_set_to_another_storage(device, writer):
-    rng = np.random.default_rng(13)
-    t = StagedWriteTensor((32, 64), torch.int32, device, name="c")
-    ref = np.zeros((32, 64), np.int64)
-    _stage(t, ref, rng)
-    writer.apply([t])
+    t, ref, rng = _applied(device, writer, "c", 13)
     old_alias = t.tensor.view(32, 64)  # keeps the old storage alive and visible
     old_snapshot = old_alias.cpu().numpy().copy()
     t.tensor.set_(t.tensor.clone())  # same shape and strides: only the pointer changes
@@ -82,7 +80,7 @@ def test_set_to_another_storage(device, writer):
     np.testing.assert_array_equal(old_alias.cpu().numpy(), old_snapshot)
 
 
-def test_block_tables_group_replaced_mid_run(device, backend_name):
+def test_a_block_tables_group_replaced_mid_run_is_refused_and_changes_nothing(device, backend_name):
     backend = gpu_backend(backend_name, ring_depth=2)
     warm_up(device, backend)
     rb = RandomBlockTables(device, backend, np.random.default_rng(14))
@@ -91,8 +89,6 @@ def test_block_tables_group_replaced_mid_run(device, backend_name):
     torch.cuda.synchronize(device)
     old = rb.bt[1].tensor
     old_snapshot = old.cpu().numpy().copy()
-    # A BlockTables group shares one allocation with the others and num_blocks: replacing it is refused,
-    # and the refusal changes nothing (the same table keeps taking the next steps' writes).
     with pytest.raises(StagedWriteError):
         rb.bt[1].tensor = old.clone()
     assert rb.bt[1].tensor is old

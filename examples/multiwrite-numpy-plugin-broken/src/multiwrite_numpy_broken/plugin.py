@@ -1,42 +1,25 @@
-"""`numpy-cpu-broken`: a copy of `numpy-cpu` with one bug (earlier writes win). Otherwise: applies multiwrite's staged writes to CPU tables with numpy, one write at a time.
-
-A deliberately small backend, to show what a plugin must do: read each `WriteBatch` (one per dtype),
-write every write in staging order so that where two overlap the later one wins, and respect each
-table's strides (a table may be a view). Its priority (-50) is below the built-in CPU backends, so
-installing it changes nothing unless it is forced (`MULTIWRITE_BACKEND=numpy-cpu`).
-"""
+"""`numpy-cpu-broken`: the example `numpy-cpu` backend (package `multiwrite-numpy-plugin`) with one bug: where
+writes overlap, the EARLIER one wins. It exists to show that the conformance kit and `multiwrite check-backend`
+catch that bug (its own tests expect exactly the overlap properties to fail)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from multiwrite_numpy.plugin import NumpyCpuBackend
 
-from multiwrite import Backend, WriteBatch, hookimpl
-from multiwrite.backend import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
+from multiwrite import Backend, hookimpl
 
 
-class NumpyCpuBackend(Backend):
-    """Row copies through numpy views of the tables, in staging order."""
+class BrokenNumpyCpuBackend(NumpyCpuBackend):
+    """`NumpyCpuBackend` applying the writes in reverse staging order."""
 
     NAME = "numpy-cpu-broken"
-    PRIORITY = -50
-    SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
-
-    def apply(self, batches: Sequence[WriteBatch]) -> None:
-        """Write every write of every batch, in staging order (later writes win where they overlap)."""
-        for batch in batches:
-            views = [t.numpy() for t in batch.tables]  # share memory with the tables, strides included
-            for table, row, start, length, offset in self.order(batch.meta):
-                views[table][row, start : start + length] = batch.values[offset : offset + length]
 
     def order(self, meta):
         """THE BUG: the writes in reverse staging order, so the earlier write wins where writes overlap."""
-        return reversed([
-            (int(m[META_TABLE]), int(m[META_ROW]), int(m[META_START]), int(m[META_LENGTH]), int(m[META_VALUE_OFFSET]))
-            for m in meta
-        ])
+        return reversed(list(super().order(meta)))
 
 
-_BACKEND = NumpyCpuBackend()
+_BACKEND = BrokenNumpyCpuBackend()
 
 
 @hookimpl

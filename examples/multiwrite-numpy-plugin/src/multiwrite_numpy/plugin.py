@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from multiwrite import Backend, WriteBatch, hookimpl
-from multiwrite.backend import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
+from multiwrite.plugins.backend import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
 
 
 class NumpyCpuBackend(Backend):
@@ -22,7 +22,12 @@ class NumpyCpuBackend(Backend):
     SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
 
     def apply(self, batches: Sequence[WriteBatch]) -> None:
-        """Write every write of every batch, in staging order (later writes win where they overlap)."""
+        """Write every write of every batch, in staging order (later writes win where they overlap). A batch
+        multiwrite did not stage and check (`batch.checked` false: built by hand) is checked against its tables
+        first, every batch before any is written (`WriteBatch.check_bounds` raises `StagedWriteError`)."""
+        for batch in batches:
+            if not batch.checked:
+                batch.check_bounds(self.NAME)
         for batch in batches:
             views = [t.numpy() for t in batch.tables]  # share memory with the tables, strides included
             for table, row, start, length, offset in self.order(batch.meta):

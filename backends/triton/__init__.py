@@ -1,0 +1,1 @@
+"""The Triton backends (`backend`: `triton-cuda`, `triton-rocm`) and their kernels (`kernels/`)."""

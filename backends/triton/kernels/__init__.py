@@ -1,0 +1,1 @@
+"""The Triton kernels: shared helpers (`common`), the apply, stage and consume kernels."""

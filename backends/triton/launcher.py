@@ -1,0 +1,166 @@
+"""`Launcher`: how every kernel of the Triton backends is launched, written once.
+
+The first launch of each compiled variant goes through Triton's JIT (`kernel[grid](...)`, which compiles). After
+it, on a GPU and outside any CUDA graph capture, a fast launcher is bound to the compiled kernel and validated by
+one no-op launch that must store its token into a pinned word: Triton's compiled C launcher called directly
+(NVIDIA; the calling conventions of Triton 3.6 and 3.9), else `CompiledKernel.run`. Each skips the JIT's argument
+binding and specialization, the larger part of a launch's host time. Under Triton's interpreter every launch is the
+JIT's, serialized process-wide (the interpreter keeps program ids in global state).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import triton
+
+from multiwrite.capture import is_capturing, setup_calls, simulated_graph
+
+if TYPE_CHECKING:
+    from multiwrite.backends.triton.device import TritonDevice
+
+#: Triton's interpreter keeps the current program ids in module-level state: one interpreted launch at a time.
+INTERPRETER_LOCK = threading.Lock()
+#: The current device and raw stream of torch, as the C functions themselves (absent from CPU-only builds, where
+#: only the interpreter runs).
+get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", lambda: 0)
+get_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0)
+#: Seconds a validation launch may take to store its token.
+VALIDATION_TIMEOUT_S = 10.0
+
+
+class Launcher:
+    """Launches one kernel on one device (module docstring).
+
+    Args:
+        device: the `TritonDevice`.
+        kernel: the `@triton.jit` kernel (an interpreted function under `TRITON_INTERPRET=1`).
+        num_warps: warps per program.
+        noop_args: `noop_args(done_addr, counter_addr, token)` -> the arguments of a launch of one program that
+            writes nothing and stores `token` into `done_addr` (the validation of a fast launcher).
+
+    Attributes:
+        launches: launches issued so far (a statistic: increments from concurrent threads may be lost).
+        path: how launches go: "interpreter", "jit" (before the first launch), or per compiled variant the bound
+            launcher ("c-launcher (triton X)", "compiled-kernel-run (triton X)") or why none ("jit (...)").
+    """
+
+    def __init__(self, device: TritonDevice, kernel: Any, num_warps: int, noop_args: Callable[[int, int, int], tuple]):
+        self.device = device
+        self.kernel = kernel
+        self.num_warps = num_warps
+        self.noop_args = noop_args
+        self.fire: dict[tuple, Callable | None] = {}  # variant -> fire(grid0, grid1, stream, args), None: JIT only
+        self.path = "interpreter" if not device.is_gpu else "jit"
+        self.launches = 0  # launches issued (or recorded by a simulated capture)
+        self._lock = threading.Lock()
+
+    def launch(self, variant: tuple, consts: dict, grid0: int, grid1: int, args: tuple, jit: bool = False,
+               **options: Any) -> None:  # fmt: skip
+        """Launch `grid0 x grid1` programs with `args` and the compile-time constants `consts` (`variant`: a hashable
+        name of them), on the current stream of the device. `jit`: through the JIT (a launch being captured into a
+        CUDA graph, or one with launch `options` such as `launch_pdl`)."""
+        self.launches += 1
+        fire = None if jit else self.fire.get(variant)
+        if fire is not None:
+            index = self.device.index
+            if index == get_device():
+                fire(grid0, grid1, get_stream(index), args)
+            else:
+                with torch.cuda.device(index):
+                    fire(grid0, grid1, get_stream(index), args)
+            return
+        device = self.device
+        if not device.is_gpu:
+            graph = simulated_graph()
+            run = functools.partial(self._interpret, grid0, grid1, args, consts)
+            return run() if graph is None else graph.record(run)
+        capturing = is_capturing(device.device)
+        with self._lock, torch.cuda.device(device.index):
+            compiled = self.kernel[(grid0, grid1)](*args, **consts, num_warps=self.num_warps, num_stages=1, **options)
+            if jit or options or variant in self.fire or device.launcher == "jit" or capturing:
+                return  # (bound at a later plain launch: binding validates with a launch of its own)
+            self.fire[variant], self.path = bind_fast_launcher(compiled, tuple(consts.values()), device.device,
+                                                               device.launcher, self._validate)  # fmt: skip
+
+    def _interpret(self, grid0: int, grid1: int, args: tuple, consts: dict) -> None:
+        with INTERPRETER_LOCK:
+            self.kernel[(grid0, grid1)](*args, **consts, num_warps=self.num_warps, num_stages=1)
+
+    def _validate(self, fire: Callable) -> None:
+        """One no-op launch through `fire` on a stream of its own (the caller's may be busy): it must store its token
+        into the device's validation word within `VALIDATION_TIMEOUT_S` (polled: no synchronization)."""
+        device = self.device
+        word = device.validation_word
+        token = int(word[0]) % 0x7FFFFFFF + 1
+        with torch.cuda.device(device.index), setup_calls(device.device):
+            stream = torch.cuda.Stream(device.device)
+            fire(1, 1, stream.cuda_stream, self.noop_args(device.validation_addr, device.validation_counter, token))
+        deadline = time.perf_counter() + VALIDATION_TIMEOUT_S
+        while int(word[0]) != token:
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"validation launch did not complete (its word holds {int(word[0])}, not {token})")
+            time.sleep(1e-5)
+
+
+def bind_fast_launcher(
+    kernel: Any, consts: tuple, device: torch.device, mode: str, validate: Callable[[Callable], None]
+) -> tuple[Callable | None, str]:
+    """A launch function `fire(grid0, grid1, stream, args)` for a compiled `kernel` that bypasses the JIT, and the
+    launch path it gives; `(None, why)` when none works.
+
+    Candidates, fastest first: Triton's compiled C launcher called directly (NVIDIA, Triton 3.6 and 3.9 calling
+    conventions, no scratch memory; only with `mode == "auto"`), then `CompiledKernel.run`. `validate(fire)` must pass
+    before a candidate is used.
+    """
+    reasons = []
+    try:
+        from triton import knobs
+
+        hook = getattr(knobs.runtime, "launch_enter_hook", None)
+        if hook is not None and getattr(hook, "calls", True):
+            raise RuntimeError("Triton launch hooks are installed (profiling): keep the JIT path")
+        run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+    except Exception as exc:
+        return None, f"jit (no fast launcher: {type(exc).__name__}: {exc})"
+    candidates = []
+    launch = getattr(run, "launch", None)
+    if mode == "auto" and device.type == "cuda" and torch.version.hip is None and launch is not None:
+        scratch = (getattr(run, "global_scratch_size", 1), getattr(run, "profile_scratch_size", 1))
+        coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
+        if scratch == (0, 0) and coop is not None and pdl is not None and not getattr(run, "gsan_enabled", False):
+            if hasattr(run, "arg_annotations"):  # Triton 3.9: (..., hooks, scratch, annotations, sig, args)
+                ann, ksig = run.arg_annotations, run.kernel_signature
+
+                def fire(g0, g1, stream, args):
+                    launch(g0, g1, 1, stream, function, coop, pdl, packed, None, None, None, None, None,
+                           ann, ksig, (*args, *consts))  # fmt: skip
+
+            else:  # Triton 3.6: (..., scratch, scratch, metadata, launch metadata, hooks, *args)
+
+                def fire(g0, g1, stream, args):
+                    launch(g0, g1, 1, stream, function, coop, pdl, None, None, packed, None, None, None,
+                           *args, *consts)  # fmt: skip
+
+            candidates.append(("c-launcher", fire))
+        else:
+            reasons.append(f"c-launcher: scratch={scratch} cooperative={coop} pdl={pdl}")
+
+    def fire_run(g0, g1, stream, args):
+        run(g0, g1, 1, stream, function, packed, None, None, None, *args, *consts)
+
+    candidates.append(("compiled-kernel-run", fire_run))
+    for name, fire in candidates:
+        try:
+            validate(fire)
+        except Exception as exc:
+            reasons.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        path = f"{name} (triton {triton.__version__})"
+        return fire, path + (f"; not used: {'; '.join(reasons)}" if reasons else "")
+    return None, f"jit (no fast launcher: {'; '.join(reasons)})"

@@ -1,0 +1,182 @@
+"""`TritonPlan`: the jobs of one `BlockTables` on the Triton backends, eager and in graph mode.
+
+Built once per `BlockTables` (its tables never move): the descriptors of the arena's tables and of the stage, the
+fixed kernel arguments, and the arena's own ring of pinned slots, which the kernels read in place. Per call only
+the step's values are read: `apply()` is one launch of the apply kernel, `prepare(step)` one launch of the stage
+kernel with `HAS_WRITES` (the apply, the gather and the slot mappings together), `stage(step)` one launch of it
+without. Every launch that reads the arena's slot goes through `TritonDevice.launch_on`, and the arena lands on
+its next slot (`StagingArena.land_after`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton.language as tl
+
+from multiwrite.backends.triton.device import Descriptors, TritonDevice, descriptor_rows
+from multiwrite.backends.triton.kernels import stage
+from multiwrite.capture import settle
+from multiwrite.plugins.backend import GraphPlan
+from multiwrite.stage.layout import TablesLayout
+from multiwrite.stage.step import StepInputs
+from multiwrite.staging.arena import Lease, StagingArena
+from multiwrite.staging.headers import HeaderRing
+
+TL_INDEX = {torch.int32: tl.int32, torch.int64: tl.int64}
+# The stage kernel's sizes as plain ints (comparing with a constexpr would make a constexpr).
+APPLY_W, APPLY_L, PRELOADED = stage.APPLY_W.value, stage.APPLY_L.value, stage.PRELOADED_VALUES.value
+
+
+class TritonPlan(GraphPlan):
+    """The plan of one `BlockTables` on a Triton backend (module docstring).
+
+    Args:
+        backend: the backend.
+        device: the `TritonDevice` of the tables' device.
+        layout: the tables' memory.
+        arena: the staging arena (empty): it stages into a ring of the device from now on.
+        graph: built for graph mode (compiles the consume kernel now, never inside a capture).
+
+    Attributes:
+        pdl: whether captured stage launches are programmatic dependent launches of the consume kernel (NVIDIA,
+            compute capability 9.0 or newer, compiled Triton); read at each capture.
+    """
+
+    def __init__(self, backend, device: TritonDevice, layout: TablesLayout, arena: StagingArena, graph: bool):
+        self.backend = backend
+        self.layout = layout
+        self.arena = arena
+        self.tables = [*layout.tables, layout.counts_table]
+        self.device = device
+        arena.attach(device.lend(np.int32))
+        rows = descriptor_rows(self.tables)
+        assert all(t.stride(1) == 1 for t in (*layout.tables, *layout.input_block_tables))
+        # Fixed for the life of the tables: the plan keeps both alive; captured launches read them by address.
+        desc = torch.tensor(rows, dtype=torch.int64).to(layout.device)
+        self.desc = Descriptors(desc, desc.data_ptr(), len(rows), False)
+        slots = layout.slot_mappings
+        if slots is None:  # tables without max_num_batched_tokens gather only: any int64 buffer stands in
+            slots = torch.zeros((1, 1), dtype=torch.int64, device=layout.device)
+        self._slots = slots
+        nb = layout.num_blocks
+        stage_rows = [
+            [src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), src.shape[1], bs, kbs, k,
+             nb.data_ptr() + 4 * g * nb.stride(0), slots.data_ptr() + 8 * g * slots.stride(0), slots.shape[1],
+             nb.shape[1], layout.cp_rank, self.desc.addr, 0, 0]
+            for g, (src, dst, bs, kbs, k) in enumerate(zip(layout.tables, layout.input_block_tables,
+                                                           layout.block_sizes, layout.kernel_block_sizes,
+                                                           layout.kernel_blocks_per_block))
+        ]  # fmt: skip
+        assert len(stage_rows[0]) == stage.STAGE_DESC_WORDS.value
+        self.sdesc = torch.tensor(stage_rows, dtype=torch.int64).to(layout.device)
+        self._sdesc_addr = self.sdesc.data_ptr()
+        self.splits = max(1, -(-max(layout.widths) // stage.CHUNK.value))
+        self._groups = layout.num_groups
+        self._fallback = slots.data_ptr()  # an empty tensor's address, 0, would read as an int32 under the interpreter
+        self._consts: dict[tuple, dict] = {}
+        self._cp = (layout.cp_size, layout.cp_interleave)
+        self.pdl = _pdl_capable(device)
+        self.header_depth = 1 << max(1, (device.depth - 1).bit_length())
+        self._consume_consts = {"DEPTH": self.header_depth, "NT": max(2, 1 << (len(rows) - 1).bit_length()),
+                                "LAUNCH_DEPENDENTS": self.pdl}  # fmt: skip
+        settle(layout.device)  # the descriptors are complete whatever stream launches next
+
+    # -- the eager jobs ---------------------------------------------------------------------------------------------
+    def apply(self) -> None:
+        """One launch of the apply kernel on the arena's slot, in place (overlapping writes reordered into rounds)."""
+        arena = self.arena
+        w, v = arena.num_writes, arena.num_values
+        rounds = arena.order_rounds() if arena.may_overlap else 1
+        arena.land_after(self.device.launch_apply, self.desc, w, v, rounds, np.int32)
+
+    def stage(self, step: StepInputs) -> None:
+        """One launch of the stage kernel (gather and/or slot mappings)."""
+        self._stage(None, step, 0, 0, 1, False)
+
+    def prepare(self, step: StepInputs) -> None:
+        """The whole step in one launch of the stage kernel with the staged writes; with nothing staged, the stage
+        alone; with a row written in more than `stage.MAX_ROUNDS` rounds, the apply, then the stage."""
+        arena = self.arena
+        w, v = arena.num_writes, arena.num_values
+        if not w:
+            return self._stage(None, step, 0, 0, 1, False)
+        rounds = arena.order_rounds() if arena.may_overlap else 1
+        if rounds > stage.MAX_ROUNDS.value:
+            arena.land_after(self.device.launch_apply, self.desc, w, v, rounds, np.int32)
+            return self._stage(None, step, 0, 0, 1, False)
+        arena.land_after(self._stage, step, w, v, rounds, False)
+
+    def _stage(self, lease: Lease | None, step: StepInputs, w: int, v: int, rounds: int, pdl: bool) -> None:
+        """Launch the stage kernel for `step`, with the staged batch in `lease` when there is one."""
+        if not (step.do_gather or step.do_slots):
+            return
+        qsl, pos, pad = step.query_start_loc, step.positions, step.is_padding
+        # The variant: every constexpr of the launch (the device's launcher is shared by every plan on it, so the
+        # layout's constexprs are part of the key: tables with other context parallelism compile their own).
+        key = (step.idx_mapping.dtype, torch.int64 if qsl is None else qsl.dtype, torch.int64 if pos is None
+               else pos.dtype, pad is not None, step.do_gather, step.do_slots, lease is not None, pdl,
+               *self._cp)  # fmt: skip
+        consts = self._consts.get(key)
+        if consts is None:
+            consts = self._consts[key] = self._variant(key)
+        G = self._groups
+        padded = step.num_reqs_padded
+        grid0 = G * (padded + 1) * self.splits
+        f = self._fallback
+        tail = (
+            G, step.idx_mapping.data_ptr() or f, f if qsl is None else qsl.data_ptr() or f,
+            f if pos is None else pos.data_ptr() or f, f if pad is None else pad.data_ptr() or f, step.num_reqs, padded,
+            0 if pos is None else pos.shape[0], self.splits,
+        )  # fmt: skip
+        device = self.device
+        launcher = device.stage_launcher
+        if lease is None:  # (no staging memory is read: done word 0)
+            args = (self._sdesc_addr, f, f, f, f, 0, 0, 0, 0, 1, 1, 0, *tail)
+            if pdl:
+                return launcher.launch(key, consts, grid0, 1, args, jit=True, launch_pdl=True)
+            return launcher.launch(key, consts, grid0, 1, args)
+        if rounds > 1:
+            tiles = splits = 1
+        else:
+            tiles = (w + APPLY_W - 1) // APPLY_W
+            splits = (
+                1 if v <= PRELOADED else max(1, min((v + APPLY_L - 1) // APPLY_L, 64, device.max_programs // tiles))
+            )
+        device.launch_on(lease, launcher, key, consts, grid0 + tiles * splits, 1,
+                         (self._sdesc_addr, lease.meta_addr, lease.values_addr, lease.bounds_addr),
+                         (w, v, rounds, tiles, tiles * splits, *tail), self.desc)  # fmt: skip
+
+    def _variant(self, key: tuple) -> dict:
+        idx, qsl, pos, has_padding, do_gather, do_slots, has_writes, pdl, cp_size, cp_interleave = key
+        return {
+            "IDX_DTYPE": TL_INDEX[idx], "QSL_DTYPE": TL_INDEX[qsl], "POS_DTYPE": TL_INDEX[pos],
+            "CP_SIZE": cp_size, "CP_INTERLEAVE": cp_interleave, "HAS_PADDING": has_padding,
+            "DO_GATHER": do_gather, "DO_SLOTS": do_slots, "HAS_WRITES": has_writes, "PDL": pdl,
+        }  # fmt: skip
+
+    # -- graph mode -------------------------------------------------------------------------------------------------
+    def consume(self, ring: HeaderRing, limit: int) -> None:
+        """One launch of the consume kernel (through the JIT: a launch either captured or rare)."""
+        args = (self.desc.addr, ring.headers_addr, ring.tickets_addr, ring.state.data_ptr(), ring.mirror_addr, limit,
+                self.desc.num_tables)  # fmt: skip
+        consts = self._consume_consts
+        self.device.consume_launcher.launch(("consume", consts["DEPTH"], consts["NT"], self.pdl), consts, 1, 1,
+                                            args, jit=True)  # fmt: skip
+
+    def record_stage(self, ring: HeaderRing, step: StepInputs, consume: bool) -> object:
+        """The consume launch (if `consume`), then the stage launch reading `step`'s inputs by address; on an sm_90+
+        GPU, after the consume launch, a programmatic dependent launch. Returns the step (kept alive)."""
+        if consume:
+            self.consume(ring, -1)
+        self._stage(None, step, 0, 0, 1, consume and self.pdl)
+        return step
+
+
+def _pdl_capable(device: TritonDevice) -> bool:
+    """Whether a captured stage launch may be a programmatic dependent launch of the consume kernel: compiled code for
+    an NVIDIA GPU of compute capability 9.0 or newer (`griddepcontrol`), with a Triton that has `gdc_wait` and the
+    `launch_pdl` option (3.4 and newer)."""
+    if not device.is_gpu or torch.version.hip is not None or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    return torch.cuda.get_device_capability(device.index) >= (9, 0)

@@ -1,0 +1,125 @@
+/*
+ * multiwrite/staging/_cstaging.h: what the source files of the one extension module multiwrite.staging._cstaging
+ * share (private: only its .c files include it, and nothing here is a Python-visible name of its own). It holds the
+ * two structs more than one file reads (LeaseFields and ArenaFields; their types are in _cstaging_arena.c), the
+ * header ring's layout (constants PyInit also exports), the four type objects, the module's globals (the staging
+ * clock, the Python twin's fallbacks; defined in _cstaging.c), what the type objects share (the macros MW_TYPE_HEAD
+ * and MW_GC_SLOTS, and helpers defined in _cstaging.c), and the arena's C-level steps that block-id
+ * staging and graph mode's publish take (defined in _cstaging_arena.c). Every name shared between files starts with
+ * mw_ and stays inside the extension (MW_INTERNAL): PyInit__cstaging remains its only exported symbol. The files:
+ * - _cstaging.c: the module (PyInit, bind_clock, set_fallbacks, scatter_writes), the globals, the types' helpers.
+ * - _cstaging_arena.c: LeaseFields and ArenaFields.
+ * - _cstaging_block_ids.c: BlockIdStaging (append_block_ids, append_block_ids_batch, _bind_staging).
+ * - _cstaging_headers.c: HeaderRingFields (publish, commit).
+ */
+#ifndef MULTIWRITE_STAGING_CSTAGING_H
+#define MULTIWRITE_STAGING_CSTAGING_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <structmember.h>
+
+/* Shared between the module's files, hidden from everything outside it. */
+#if defined(__GNUC__) || defined(__clang__)
+#define MW_INTERNAL __attribute__((visibility("hidden")))
+#else
+#define MW_INTERNAL
+#endif
+
+/* ---- what the four types share (the helpers: _cstaging.c) ---------------------------------------------- */
+
+/* The fields every one of the module's type objects sets: its name in the module, its struct, the flags besides
+ * Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE (each type is the base class of a Python class), its doc, and its tables
+ * prefix_members and prefix_methods. */
+#define MW_TYPE_HEAD(name, type, prefix, flags, doc)                                                                  \
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "multiwrite.staging._cstaging." name, .tp_basicsize = sizeof(type),      \
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | (flags), .tp_doc = (doc),                                  \
+    .tp_members = prefix##_members, .tp_methods = prefix##_methods
+
+/* The garbage collector's slots of a Py_TPFLAGS_HAVE_GC type: its functions prefix_traverse, prefix_tp_clear and
+ * prefix_dealloc. */
+#define MW_GC_SLOTS(prefix)                                                                                           \
+    .tp_traverse = (traverseproc)prefix##_traverse, .tp_clear = (inquiry)prefix##_tp_clear,                           \
+    .tp_dealloc = (destructor)prefix##_dealloc
+
+/* A GC type's strong references are the PyObject * fields at `refs` (their offsets, ended by -1): its traverse visits
+ * them (mw_visit_refs), its tp_clear drops them (mw_clear_refs), and its dealloc untracks the object, runs its
+ * tp_clear `clear` and frees it (mw_gc_dealloc). */
+MW_INTERNAL int mw_visit_refs(PyObject *self, const Py_ssize_t *refs, visitproc visit, void *arg);
+MW_INTERNAL void mw_clear_refs(PyObject *self, const Py_ssize_t *refs);
+MW_INTERNAL void mw_gc_dealloc(PyObject *self, inquiry clear);
+/* A call whose arguments do not bind: TypeError(`usage`), the call's signature and what it takes; returns NULL. */
+MW_INTERNAL PyObject *mw_usage_error(const char *usage);
+
+/* ---- the staging clock and the Python twin (defined in _cstaging.c) ------------------------------------- */
+
+/* (uid of the arena that staged last, runs started): staging.arena.STAGE_CLOCK, bound by bind_clock; NULL before. */
+MW_INTERNAL extern int64_t *mw_clock_words;
+/* set_fallbacks(append, append_batch, batch_failure): the Python twin's functions for calls C does not take. */
+MW_INTERNAL extern PyObject *mw_fallback_append, *mw_fallback_batch, *mw_batch_failure_fn;
+
+/* ---- LeaseFields ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t meta_addr;   /* int32 [meta_cap, 5] */
+    Py_ssize_t values_addr; /* values_cap items */
+    Py_ssize_t bounds_addr; /* int32 [meta_cap + 1]: first write of each overlap round (0: none) */
+    Py_ssize_t done_addr;   /* int32 word a kernel stores `token` into when it has read this memory (0: none) */
+    Py_ssize_t meta_cap;
+    Py_ssize_t values_cap;
+    Py_ssize_t slot;        /* the lender's name for it (-1: not lent) */
+    long long token;        /* the token of the last launch that read it */
+} LeaseFields;
+
+MW_INTERNAL extern PyTypeObject mw_LeaseFieldsType;
+
+/* ---- ArenaFields ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t num_writes;  /* staged writes: metadata rows [0, num_writes) */
+    Py_ssize_t num_values;  /* staged values [0, num_values) */
+    Py_ssize_t meta_addr;   /* of the current lease */
+    Py_ssize_t values_addr;
+    Py_ssize_t meta_cap;
+    Py_ssize_t values_cap;
+    Py_ssize_t uid;         /* the arena's name on the staging clock */
+    long long batch;        /* the staged batch's number: +1 at every clear and land (the overlap epoch) */
+    char may_overlap;       /* two staged writes may touch one row of one table */
+    PyObject *runs;         /* list of (clock, first write) of each run staged now */
+    PyObject *rows_seen;    /* set of row << 16 | table staged now (arenas of standalone tables) */
+    PyObject *lease;        /* the LeaseFields staged into, or None */
+} ArenaFields;
+
+MW_INTERNAL extern PyTypeObject mw_ArenaFieldsType;
+
+/* clear(): drop every staged write, a new batch number, the next write starts a run. 0, or -1 with an error set. */
+MW_INTERNAL int mw_arena_clear(ArenaFields *arena);
+/* adopt(lease): stage into `lease` from now on (nothing is copied). */
+MW_INTERNAL void mw_arena_adopt(ArenaFields *arena, LeaseFields *lease);
+/* The next write of `arena` (at index num_writes) starts a run on the staging clock. 0, or -1 with an error set. */
+MW_INTERNAL int mw_arena_begin_run(ArenaFields *arena);
+
+/* ---- BlockIdStaging (_cstaging_block_ids.c) ------------------------------------------------------------- */
+
+#define MAX_GROUPS 64
+
+MW_INTERNAL extern PyTypeObject mw_BlockIdStagingType;
+
+/* ---- HeaderRingFields (_cstaging_headers.c) ------------------------------------------------------------- */
+
+/* The layout every reader of the header ring shares (staging/headers.py exports these; the Triton consume kernel
+ * reads them from there). An entry: HEADER_WORDS int64 words, then an inline batch (INLINE_WRITES x 5 int32
+ * metadata columns, then INLINE_VALUES int32 values). */
+#define HEADER_WORDS 8 /* SEQ, META, VALUES, BOUNDS, DONE, TOKEN, COUNTS, NUM_VALUES */
+#define INLINE_WRITES 256
+#define INLINE_VALUES 256
+#define ENTRY_WORDS (HEADER_WORDS + (INLINE_WRITES * 5 + INLINE_VALUES) / 2)
+#define INLINE_FLAG INT64_MIN /* the sign bit of COUNTS: the batch is in the entry */
+
+MW_INTERNAL extern PyTypeObject mw_HeaderRingFieldsType;
+
+#endif /* MULTIWRITE_STAGING_CSTAGING_H */

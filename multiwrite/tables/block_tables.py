@@ -1,0 +1,428 @@
+"""`BlockTables`: the block tables of every KV-cache group of a model, their block counts, and the rest of a
+step's block-table stage (gather, slot mappings), each job one backend call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from multiwrite.capture import is_capturing, refuse_capture, setup_calls
+from multiwrite.errors import OWN_ERRORS, BackendUnavailableError, StagedWriteError
+from multiwrite.plugins.backend import Backend, TablesPlan, backend_error, refuse_unsupported
+from multiwrite.plugins.dispatch import select_backend
+from multiwrite.stage.layout import TablesLayout
+from multiwrite.stage.step import StepInputs
+from multiwrite.staging.arena import LayoutGuard, StagingArena
+from multiwrite.staging.block_ids import BlockIdStaging, PyBlockIdStaging
+from multiwrite.staging.layout import check_device
+from multiwrite.staging.table import StagedWriteTensor
+from multiwrite.tables.graph import GraphMode
+
+_FIXED = (
+    "a BlockTables' tables cannot be replaced or resized: every group's table and num_blocks share one "
+    "allocation; build a new BlockTables with the new sizes"
+)
+
+
+class BlockTables(BlockIdStaging):
+    """The block tables of every KV-cache group of a model, staged on the host, applied in one call.
+
+    What runs: `append_block_ids` / `append_block_ids_batch` stage on the host (inherited from `BlockIdStaging`:
+    compiled C where built, its exact Python twin otherwise; `multiwrite/staging/block_ids.py`). Every other job is
+    one call of the backend's plan (`Backend.plan`, built once here): `apply_staged_writes` -> `plan.apply()`,
+    `gather_block_tables` / `compute_slot_mappings` -> `plan.stage(step)`, `prepare_inputs` -> `plan.prepare(step)`
+    (one launch on the Triton backends; two when a row is written in more than 8 overlap rounds of one batch: the
+    apply, then the stage). With `cuda_graphs=True` the same jobs go to `self.graph`, a `GraphMode`,
+    which publishes batches into a header ring so that a CUDA graph can capture them (docs/graph-mode.md).
+    docs/lifecycle.md says what a request's rows hold from admission to reuse.
+
+    Args:
+        block_sizes: tokens per KV-cache block, one per group (e.g. `[16, 32, 8]`).
+        max_num_reqs: rows of every table (request slots).
+        max_num_blocks_per_group: manager blocks a request may hold, per group.
+        device: where the tables live.
+        kernel_block_sizes: the attention kernel's block size per group (default: `block_sizes`). Group `g` writes
+            each block id `b` as the `k = block_sizes[g] // kernel_block_sizes[g]` kernel block ids `b*k .. b*k+k-1`.
+        backend: force a backend by name or instance (default: the best available for `device`).
+        max_num_batched_tokens: tokens a step may schedule: the width of `slot_mappings` (keyword; without it the
+            slot mappings are refused).
+        cp_size, cp_rank, cp_interleave: decode context parallelism as vLLM's (keyword; default: none).
+        cuda_graphs: graph mode (keyword, default False).
+
+    Attributes:
+        block_tables: one `StagedWriteTensor` per group; `block_tables[g].tensor` is group `g`'s int32 table
+            `[max_num_reqs, max_num_blocks_per_group[g] * k_g]` of kernel block ids.
+        num_blocks: host int32 `[num_groups, max_num_reqs]`: kernel blocks held per request and group, as staged.
+        num_blocks_device: int32 `[num_groups, max_num_reqs]` on `device`: `num_blocks` as of the last apply.
+        input_block_tables: per group the persistent int32 `[max_num_reqs, width_g]` target of the gather.
+        slot_mappings: the persistent int64 `[num_groups, max_num_batched_tokens]`, or None.
+        graph: the `GraphMode` with `cuda_graphs=True`, else None.
+        block_sizes, kernel_block_sizes, kernel_blocks_per_block, max_num_blocks_per_group, max_num_reqs,
+        max_num_batched_tokens, cp_size, cp_rank, cp_interleave: the sizes (see `TablesLayout`).
+
+    Not thread-safe: one thread at a time per object; distinct objects may be used from distinct threads at once.
+
+    Raises:
+        StagedWriteError: sizes that do not fit together (see `TablesLayout.build`).
+        BackendUnavailableError: torch cannot allocate on `device`, no backend can run there (the forced one
+            cannot), before anything is allocated; or `cuda_graphs=True` with a backend whose graph mode is missing
+            or incomplete, once the tables are built (the constructor raises: nothing is kept).
+    """
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A subclass that overrides `append_block_ids` alone gets the batch of the Python twin, which calls it once
+        per request (the compiled batch stages in C and would pass the override by)."""
+        super().__init_subclass__(**kwargs)
+        if "append_block_ids" in vars(cls) and "append_block_ids_batch" not in vars(cls):
+            cls.append_block_ids_batch = PyBlockIdStaging.append_block_ids_batch  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        block_sizes: Sequence[int],
+        max_num_reqs: int,
+        max_num_blocks_per_group: Sequence[int],
+        device: torch.device | str,
+        kernel_block_sizes: Sequence[int] | None = None,
+        backend: str | Backend | None = None,
+        *,
+        max_num_batched_tokens: int | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        cp_interleave: int = 1,
+        cuda_graphs: bool = False,
+    ):
+        device = check_device(device, "BlockTables")
+        refuse_capture(device, "BlockTables(...)")  # (its setup synchronizes: never inside a capture of this thread)
+        with setup_calls(device):  # (a capture on another thread stays valid)
+            self._build(block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, backend,
+                        max_num_batched_tokens, cp_size, cp_rank, cp_interleave, cuda_graphs)  # fmt: skip
+
+    def _build(self, block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, backend,
+               max_num_batched_tokens, cp_size, cp_rank, cp_interleave, cuda_graphs) -> None:  # fmt: skip
+        self.backend = (
+            refuse_unsupported(backend, device) if isinstance(backend, Backend) else select_backend(device, backend)
+        )
+        layout = self._layout = TablesLayout.build(
+            block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, max_num_batched_tokens,
+            cp_size, cp_rank, cp_interleave,
+        )  # fmt: skip
+        G, R = layout.num_groups, layout.max_num_reqs
+        self.block_sizes, self.kernel_block_sizes = layout.block_sizes, layout.kernel_block_sizes
+        self.kernel_blocks_per_block = layout.kernel_blocks_per_block
+        self.max_num_blocks_per_group, self.max_num_reqs = layout.max_num_blocks_per_group, R
+        self.max_num_batched_tokens = layout.max_num_batched_tokens
+        self.cp_size, self.cp_rank, self.cp_interleave = layout.cp_size, layout.cp_rank, layout.cp_interleave
+        self.num_blocks_device = layout.num_blocks
+        self.input_block_tables = layout.input_block_tables
+        self.slot_mappings = layout.slot_mappings
+        arena = self._arena = StagingArena(np.int32)
+        arena.stamped = True
+        self.block_tables = [
+            StagedWriteTensor.in_arena(t, arena, name=f"group {g}", kernel_blocks_per_block=k, fixed=_FIXED)
+            for g, (t, k) in enumerate(zip(layout.tables, layout.kernel_blocks_per_block))
+        ]
+        StagedWriteTensor.in_arena(layout.counts_table, arena, name="num_blocks", fixed=_FIXED)
+        self._guard = LayoutGuard(
+            [(t, f"group {g} of a BlockTables") for g, t in enumerate(layout.tables)]
+            + [(t, "num_blocks of a BlockTables") for t in (layout.counts_table, layout.num_blocks)],
+            layout.storage,
+            "the tables and num_blocks of a BlockTables share one allocation",
+        )
+        outputs = [(t, f"input_block_tables[{g}] of a BlockTables") for g, t in enumerate(layout.input_block_tables)]
+        if layout.slot_mappings is not None:
+            outputs.append((layout.slot_mappings, "slot_mappings of a BlockTables"))
+        self._outputs_guard = LayoutGuard(
+            outputs, layout.outputs_storage, "the outputs of a BlockTables share one allocation that kernels write"
+        )
+        self._outputs = layout.outputs_storage  # (its version counter: the outputs guard's fast check)
+        arena.guard = self._guard
+        self._storage = layout.storage  # (its version counter, shared by every table: the guard's fast check)
+        self.num_blocks = np.zeros((G, R), dtype=np.int32)
+        self._applied = np.zeros((G, R), dtype=np.int32)
+        self._stamps = np.zeros((G + 1, R), dtype=np.int64)
+        # Per group: k, row width, largest manager id whose kernel ids b*k + k - 1 fit int32.
+        ks = layout.kernel_blocks_per_block
+        groups = tuple((k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(ks, layout.widths))
+        self._bind_staging(arena, self.num_blocks, self._applied, self._stamps, groups)
+        self.graph: GraphMode | None = None
+        if cuda_graphs:
+            plan = self.backend.graph_plan(layout, arena)
+            if plan is None:
+                raise BackendUnavailableError(
+                    f"BlockTables(cuda_graphs=True): backend {self.backend.NAME!r} on {device} has no graph mode "
+                    "(Backend.graph_plan); triton-cuda and triton-rocm have one. Use cuda_graphs=False"
+                )
+            missing = plan.missing_jobs()
+            if missing:
+                raise BackendUnavailableError(
+                    f"BlockTables(cuda_graphs=True): backend {self.backend.NAME!r} on {device} returned a graph plan, "
+                    f"{type(plan).__name__}, that does not implement {' and '.join(missing)} (GraphPlan); "
+                    "use cuda_graphs=False"
+                )
+            self.graph = GraphMode(plan, layout, arena, self._guard, self._outputs_guard)
+            self._plan: TablesPlan = plan
+        else:
+            self._plan = self.backend.plan(layout, arena)
+        self._names = (*(t.name for t in self.block_tables), "num_blocks")
+
+    # -- sizes ----------------------------------------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        """Number of KV-cache groups (tables)."""
+        return len(self.block_tables)
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the tables."""
+        return self._layout.device
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether these tables run in graph mode."""
+        return self.graph is not None
+
+    def __getitem__(self, group: int) -> StagedWriteTensor:
+        """Group `group`'s `StagedWriteTensor`."""
+        return self.block_tables[group]
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockTables(block_sizes={self.block_sizes}, kernel_block_sizes={self.kernel_block_sizes}, "
+            f"max_num_reqs={self.max_num_reqs}, widths={self._layout.widths}, device={self.device}, "
+            f"backend={self.backend.NAME!r}" + (", cuda_graphs=True)" if self.graph is not None else ")")
+        )
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        """Refused (`copy.copy`, `copy.deepcopy`, `pickle`): the tables own device memory and staging memory a kernel
+        may still read; build a new `BlockTables` with the same arguments instead.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(
+            "a BlockTables cannot be copied or pickled: it owns its device tables and staging memory that kernels "
+            "read; build a new BlockTables with the same arguments instead"
+        )
+
+    # -- apply ----------------------------------------------------------------------------------------------------
+    def apply_staged_writes(self) -> None:
+        """Apply every group's staged writes and the new `num_blocks` in one backend call (one kernel launch on a
+        GPU, on the current stream, no host synchronization).
+
+        Graph mode: inside `torch.cuda.graph(...)` this records the consume launch (each replay applies the batch of
+        its commit); outside, it publishes what is staged and applies every published batch (docs/graph-mode.md).
+
+        Raises:
+            GraphCaptureError: called during a CUDA graph capture without graph mode; nothing changed.
+            StagedWriteError: a table was resized or `set_` in place; nothing was written, the writes stay staged.
+            BackendError: the backend failed; every staged write (the `num_blocks` row included) stays staged and
+                `num_blocks` keeps the staged counts, so calling this again lands them all.
+            RingStallError: staging memory a kernel reads was never released (see `multiwrite.errors`).
+        """
+        if self.graph is not None:
+            return self._run(self.graph.apply_staged_writes)
+        refuse_capture(self.device, "BlockTables.apply_staged_writes")
+        if self._storage._version != self._guard.version:  # (one read when nothing was resized: the common case)
+            self._guard.check()
+        if self._arena.num_writes:
+            try:
+                self._plan.apply()
+            except Exception as exc:
+                raise self._failure(exc) from exc
+
+    def commit_staged_writes(self) -> int:
+        """Graph mode: publish the staged batch as the batch of the NEXT replay of a captured graph (host work only:
+        a few stores into pinned memory). Commit exactly once before each replay, also when nothing is staged.
+
+        Returns:
+            The header index of the batch (0, 1, ... in commit order).
+
+        Raises:
+            StagedWriteError: the tables are not in graph mode, or were resized in place.
+            RingStallError: the header or ticket ring stayed full of what no run consumed; nothing was committed.
+        """
+        if self.graph is None:
+            raise StagedWriteError(
+                "commit_staged_writes() is for tables created with BlockTables(..., cuda_graphs=True); these apply "
+                "with apply_staged_writes(). Nothing was committed; the staged writes stay staged"
+            )
+        if self._storage._version != self._guard.version:
+            self._guard.check()
+        if self._outputs._version != self._outputs_guard.version:  # (captured stage launches write them)
+            self._outputs_guard.check()
+        return self.graph.commit()
+
+    def clear_staged_writes(self) -> None:
+        """Drop every staged write and restore `num_blocks` to its counts as of the last apply (graph mode: commit).
+
+        Reads no device state: each request's counts as of the last landed batch are kept on the host when a batch
+        first changes them.
+
+        Raises:
+            GraphCaptureError: during a CUDA graph capture without graph mode; nothing is dropped.
+        """
+        if self.graph is None:
+            refuse_capture(self.device, "BlockTables.clear_staged_writes")
+        changed = np.flatnonzero(self._stamps[self.num_groups] == self._arena.batch)
+        self.num_blocks[:, changed] = self._applied[:, changed]
+        self._arena.clear()
+
+    # -- the rest of the stage ------------------------------------------------------------------------------------
+    def gather_block_tables(self, idx_mapping: torch.Tensor, num_reqs_padded: int) -> tuple[torch.Tensor, ...]:
+        """Gather the scheduled requests' rows into batch order in `input_block_tables` (vLLM's semantics).
+
+        Batch entry `b < num_reqs` gets the first `num_blocks[g, idx_mapping[b]]` cells of row `idx_mapping[b]` of
+        each group's table (its other cells keep what they held); rows `num_reqs .. num_reqs_padded - 1` become
+        zero. Reads the tables as the last apply left them.
+
+        Args:
+            idx_mapping: int32/int64 `[num_reqs]`, the request row of each batch entry, on the tables' device or on
+                the host.
+            num_reqs_padded: `num_reqs <= num_reqs_padded <= max_num_reqs`.
+
+        Returns:
+            `input_block_tables[g][:num_reqs_padded]` per group: views at fixed addresses (the same objects for the
+            same size: read and write through them, do not `resize_` or `set_` them).
+
+        Raises:
+            StageInputError: a wrong shape or dtype, a count above the tables, a row outside them (host inputs).
+            GraphCaptureError: during a CUDA graph capture without graph mode (graph mode records it instead).
+        """
+        return self._stage("gather_block_tables", idx_mapping, num_reqs_padded).gathered(self._layout)
+
+    def compute_slot_mappings(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The KV-cache slot of every scheduled token in every group: int64 `[num_groups, num_tokens_padded]`.
+
+        Token `i` of batch entry `b` (`query_start_loc[b] <= i < query_start_loc[b + 1]`) at position
+        `p = positions[i]` gets `table[g][idx_mapping[b], p // kbs] * kbs + p % kbs` (kernel block size `kbs`);
+        with context parallelism only the tokens this rank owns get a slot. Tokens past
+        `query_start_loc[num_reqs]`, padding tokens and `slot_mappings[:, num_tokens_padded:]` get -1.
+
+        Args:
+            idx_mapping: int32/int64 `[num_reqs]`, request rows.
+            query_start_loc: int32/int64 `[>= num_reqs + 1]`, from 0, non-decreasing, ending `<= num_tokens_padded`.
+            positions: int32/int64 `[>= query_start_loc[num_reqs]]`, token positions (>= 0).
+            num_tokens_padded: `<= max_num_batched_tokens`.
+            is_padding: optional bool `[>= num_tokens_padded]`; true marks a token to skip.
+
+        Returns:
+            `slot_mappings[:, :num_tokens_padded]`, a view of the persistent buffer.
+
+        Raises:
+            StageInputError: wrong shapes or dtypes, counts above the buffers, and for host inputs bad values (a
+                position past its request's blocks names token, request and group).
+            GraphCaptureError: during a CUDA graph capture without graph mode (graph mode records it instead).
+        """
+        step = self._stage(
+            "compute_slot_mappings", idx_mapping, None, query_start_loc, positions, num_tokens_padded, is_padding
+        )
+        return step.slots(self._layout)
+
+    def prepare_inputs(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Apply the staged writes, gather and compute the slot mappings in ONE backend call (one launch on the
+        Triton backends, two for a row written in more than 8 overlap rounds; in graph mode, outside a capture, the
+        consume launch and the stage launch): exactly `apply_staged_writes()`, `gather_block_tables(idx_mapping,
+        num_reqs_padded)`, `compute_slot_mappings(idx_mapping, query_start_loc, positions, num_tokens_padded,
+        is_padding)`. Inputs are checked first: a rejected call applies nothing and every staged write stays staged.
+
+        Graph mode: inside `torch.cuda.graph(...)` this records the consume launch and the stage launch; the inputs
+        must then be tensors on the tables' device (their values are read at each replay). Outside a capture it
+        publishes and applies what is staged, then gathers and maps.
+
+        Returns:
+            (gathered tables, slot mappings), as the two methods return them.
+
+        Raises:
+            StageInputError, GraphCaptureError, and the errors of `apply_staged_writes`.
+        """
+        graph = self.graph
+        if graph is not None:  # (eager, it applies what is staged first: host positions see the staged counts)
+            step = self._step("prepare_inputs", idx_mapping, num_reqs_padded, query_start_loc, positions,
+                              num_tokens_padded, is_padding, staged=not is_capturing(self.device))  # fmt: skip
+            self._run(lambda: graph.stage(step, consume=True))
+            return step.gathered(self._layout), step.slots(self._layout)
+        refuse_capture(self.device, "BlockTables.prepare_inputs")
+        if self._storage._version != self._guard.version:  # (one read when nothing was resized: the common case)
+            self._guard.check()
+        if self._outputs._version != self._outputs_guard.version:
+            self._outputs_guard.check()
+        layout = self._layout
+        step = StepInputs.on_device(
+            layout, idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded, is_padding
+        ) or self._step("prepare_inputs", idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded,
+                        is_padding, staged=True)  # fmt: skip
+        try:
+            self._plan.prepare(step)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        gathered = layout.gathered_views.get(step.num_reqs_padded)
+        slots = layout.slot_views.get(step.num_tokens_padded)
+        return (step.gathered(layout) if gathered is None else gathered), (
+            step.slots(layout) if slots is None else slots
+        )
+
+    # -- what every job shares ------------------------------------------------------------------------------------
+    def _eager(self, what: str) -> None:
+        """An eager job: refused during a CUDA graph capture, and the tables must be as built."""
+        refuse_capture(self.device, f"BlockTables.{what}")
+        self._guard.check()
+        self._outputs_guard.check()
+
+    def _stage(self, what: str, *inputs) -> StepInputs:
+        """A gather or slot-mapping job (`what`, nothing applied): its `inputs` checked (`_step`), then staged by graph
+        mode (recorded during a capture, else run; no consume) or, eager, by the backend's plan."""
+        graph = self.graph
+        if graph is None:
+            self._eager(what)
+        step = self._step(what, *inputs)
+        if graph is not None:
+            self._run(lambda: graph.stage(step, consume=False))
+        else:
+            self._run(lambda: self._plan.stage(step))
+        return step
+
+    def _run(self, job) -> None:
+        """Run a backend job, its failure raised as `BackendError` naming backend and tables (writes stay staged)."""
+        try:
+            job()
+        except Exception as exc:
+            raise self._failure(exc) from exc
+
+    def _failure(self, exc: Exception) -> Exception:
+        """What a failed job raises: multiwrite's own errors as they are (a refusal, a stalled ring), anything else
+        as the `BackendError` naming the backend and the tables."""
+        if isinstance(exc, OWN_ERRORS):
+            return exc
+        left = None if self.graph is None else self.graph.unapplied()
+        return backend_error(self.backend, self.device, self._names, self._arena.num_writes, exc, left)
+
+    def _step(self, what: str, idx_mapping, num_reqs_padded=None, query_start_loc=None, positions=None,
+              num_tokens_padded=None, is_padding=None, staged: bool = False) -> StepInputs:  # fmt: skip
+        """The call's inputs, checked. Host positions are checked against the counts the tables will hold: as staged
+        (`staged`: the call applies first) or as last landed."""
+        counts = (lambda: self.num_blocks) if staged else self._landed_counts
+        capturing = self.graph is not None and is_capturing(self.device)
+        return StepInputs.check(self._layout, what, idx_mapping, num_reqs_padded, query_start_loc, positions,
+                                num_tokens_padded, is_padding, counts, device_only=capturing)  # fmt: skip
+
+    def _landed_counts(self) -> np.ndarray:
+        """Host `num_blocks` as of the last landed batch (rows changed since come from the saved counts)."""
+        changed = self._stamps[self.num_groups] == self._arena.batch
+        return np.where(changed[None, :], self._applied, self.num_blocks)
