@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from multiwrite import select_backend
-from multiwrite.backends.triton.device import DESCRIPTOR_CACHE_SIZE
 from tests.gpu.helpers import RandomBlockTables, RandomTensors, busy, count_waits, gpu_backend, warm_up
 from tests.support import rss_bytes, run_fuzz, soak
 
@@ -43,6 +42,8 @@ def test_ten_thousand_applies_racing_a_busy_stream(device, backend_name, monkeyp
 def test_a_soak_of_20000_applies_keeps_resources_flat(device, backend_name):
     """The short variant of the 100,000-apply soak (`tests.support.soak`), with GPU memory counted too; and the
     backend's per-device caches stay within their bounds (white-box: the descriptor cache, the retiring rings)."""
+    from multiwrite.backends.triton.device import DESCRIPTOR_CACHE_SIZE  # (here: Triton is not everywhere)
+
     growth = soak(backend_name, device, 20_000, memory=lambda: torch.cuda.memory_allocated(device) + rss_bytes())
     assert growth["finalizers"] <= 4, growth
     state = select_backend(device, backend_name).device_state(device)
