@@ -152,7 +152,7 @@ class StagingArena(ArenaFields):
         lender: lends the memory (`StagingBuffers`), or None for plain numpy arrays.
     """
 
-    __slots__ = ("np_dtype", "targets", "lender", "stamped", "layout_version", "guard", "refusal", "__weakref__")
+    __slots__ = ("np_dtype", "targets", "lender", "stamped", "guard", "refusal", "__weakref__")
 
     #: `pack_meta(meta_bytes, write_index * 20, table, row, start, length, value_offset)` stores one metadata row
     #: in one C call, raising `struct.error` when a field overflows int32.
@@ -175,7 +175,6 @@ class StagingArena(ArenaFields):
         # True when an owner (BlockTables) detects overlaps of its own writes: a write staged through `commit`
         # then always counts as overlapping (correct, merely slower to apply).
         self.stamped = False
-        self.layout_version = 0  # bumped whenever a table is added or replaced
         self.guard: LayoutGuard | None = None  # the owner's tables never resize (BlockTables)
         self.refusal: str | None = None  # why a FusedStagedWriter must not apply these tables (graph mode)
 
@@ -225,7 +224,6 @@ class StagingArena(ArenaFields):
         if len(self.targets) >= 1 << 16:
             raise StagedWriteError("a staging arena holds at most 65536 tables")
         self.targets.append(target)
-        self.layout_version += 1
         return len(self.targets) - 1
 
     def reserve(self, writes: int, values: int) -> None:

@@ -157,7 +157,6 @@ class StagedWriteTensor:
         self.check_staged_fit((table.shape[0], table.shape[1]))
         self._user_tensor, self._table = new, table
         self._rows, self._cols = table.shape
-        self._arena.layout_version += 1  # writers re-check device and shape, backends see the new storage
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -210,7 +209,6 @@ class StagedWriteTensor:
             table.shape[0] != user.shape[0] or table.data_ptr() != user.data_ptr() or table.stride(0) != user.stride(0)
         ):
             table = self._table = user.unsqueeze(1)
-            self._arena.layout_version += 1
         return table
 
     def _describe(self, row: Any, start: Any, length: Any = None) -> str:
