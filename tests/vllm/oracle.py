@@ -284,3 +284,31 @@ def interpreter_bool_masks() -> Iterator[None]:
     finally:
         for n, f in original.items():
             setattr(builder, n, f)
+
+
+# -- tox -e vllm: fetch the wheel once ---------------------------------------------------------------------------
+VERSION = "0.33.0"
+
+
+def fetch_wheel(dest: Path) -> Path:
+    """Download vLLM 0.33.0's wheel (no dependencies) to `dest` unless it is already there; returns `dest`."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", f"vllm=={VERSION}", "--no-deps", "--only-binary=:all:"]
+        subprocess.run([*cmd, "--dest", tmp], check=True)
+        (wheel,) = Path(tmp).glob(f"vllm-{VERSION}-*.whl")
+        shutil.move(str(wheel), dest)
+    return dest
+
+
+if __name__ == "__main__":
+    # python -m tests.vllm.oracle fetch DEST
+    if len(sys.argv) != 3 or sys.argv[1] != "fetch":
+        sys.exit("usage: python -m tests.vllm.oracle fetch DEST.whl")
+    print(fetch_wheel(Path(sys.argv[2])))
