@@ -315,3 +315,31 @@ def test_installed_distribution_declares_the_entry_point():
 
 def test_vllm_033_real_class_passes_the_check(oracle):
     assert signature_differences(oracle.BlockTables) == []
+
+
+def test_install_on_vllm_033s_real_module(oracle, device):
+    """On vLLM's own block_table module (the oracle's), with a runner module importing from it afterwards: the
+    runner's keyword call (model_runner.py's initialize_kv_cache) builds multiwrite's class."""
+    vllm_class = oracle.BlockTables
+    with oracle.active():
+        try:
+            assert install() == ["vllm.v1.worker.gpu.block_table"]
+            runner = types.ModuleType("vllm.v1.worker.gpu.model_runner")
+            exec("from vllm.v1.worker.gpu.block_table import BlockTables", runner.__dict__)
+            tables = runner.BlockTables(
+                block_sizes=[16, 32],
+                max_num_reqs=4,
+                max_num_batched_tokens=64,
+                max_num_blocks_per_group=[8, 4],
+                device=device,
+                slot_mapping_enabled=[True, True],
+                dcp_sharded=[True, True],
+                sliding_window_reach=[0, 31],
+                cp_size=1,
+                cp_rank=0,
+                cp_interleave=1,
+            )
+            assert type(tables) is ours()
+        finally:
+            assert uninstall() == ["vllm.v1.worker.gpu.block_table"]
+    assert oracle.BlockTables is vllm_class
