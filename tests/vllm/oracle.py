@@ -158,8 +158,9 @@ def _stub_modules(device_type: str) -> dict[str, types.ModuleType]:
 
 
 @contextlib.contextmanager
-def _modules_in_place(mods: dict[str, types.ModuleType]) -> Iterator[None]:
-    saved = {name: sys.modules.get(name) for name in mods}
+def _modules_in_place(mods: dict[str, types.ModuleType], also: tuple[str, ...] = ()) -> Iterator[None]:
+    """`mods` in `sys.modules` for the duration; afterwards those names and `also` are as they were."""
+    saved = {name: sys.modules.get(name) for name in (*mods, *also)}
     sys.modules.update(mods)
     try:
         yield
@@ -231,7 +232,7 @@ def load_oracle(source: Path, device_type: str) -> Oracle:
     `sys.modules` is restored afterwards. Set `TRITON_INTERPRET=1` first where there is no GPU (Triton reads it when
     vLLM's kernels are decorated)."""
     mods = _stub_modules(device_type)
-    with _modules_in_place(mods):
+    with _modules_in_place(mods, also=("vllm.v1.worker.gpu.buffer_utils", "vllm.v1.worker.gpu.block_table")):
         loaded = {}
         for short in ("buffer_utils", "block_table"):
             name = f"vllm.v1.worker.gpu.{short}"
