@@ -1,12 +1,17 @@
 """Drive two `BlockTables`-like objects through one `engine.Scenario` in lockstep and compare them at every call.
 
-What is compared is what vLLM 0.33 defines (and what its runner reads): the block counts on the host after every
-append and on the device after every apply; the first `num_blocks` cells of every row of the persistent tables; of a
-gather, the first `num_blocks` cells of each batch row and the rows it clears, in full (`num_reqs` up to the larger
-of `num_reqs_padded` and the previous row count; only up to `num_reqs_padded` with `out=`); the whole slot-mapping
-buffer (persistent or the caller's); the dummy tables and slots; and that every returned view lies at its persistent
-(or given) address, the same one for the whole scenario. Cells past a row's `num_blocks` are not compared: vLLM
-leaves them stale.
+What is compared is what vLLM 0.33 defines (and what its runner reads):
+
+- the block counts on the host after every append;
+- the counts on the device and the first `num_blocks` cells of every row of the persistent tables after the apply
+  (read at once on every third step, otherwise only after the step's gather and slot mappings, so that an
+  implementation may land the apply in their launch);
+- of a gather, the first `num_blocks` cells of each batch row, and the rows it clears, in full (`num_reqs` up to the
+  larger of `num_reqs_padded` and the previous row count; only up to `num_reqs_padded` with `out=`);
+- the whole slot-mapping buffer (persistent or the caller's), the dummy tables and slots;
+- that every returned view lies at its persistent (or given) address, the same one for the whole scenario.
+
+Cells past a row's `num_blocks` are not compared: vLLM leaves them stale.
 
 `subject` may also be given the scenario's over-capacity writes (`refusals=True`): each must raise a `RuntimeError`
 naming the request, the group and the capacity, and change nothing; `reference` never sees them.
@@ -107,12 +112,19 @@ def run_lockstep(
                 x.redirect_writes_to_null_block = False
         calls += 1
         n_ref = counts(reference)
-        if G:
-            _equal(host(subject.num_blocks.gpu), host(reference.num_blocks.gpu), where, "num_blocks.gpu")
-        for g in range(G):
-            mask = np.arange(cfg.max_num_blocks_per_group[g])[None, :] < n_ref[g][:, None]
-            tables = [host(x.block_tables[g].gpu) * mask for x in both]
-            _equal(tables[0], tables[1], where, f"block_tables[{g}].gpu (first num_blocks cells of each row)")
+
+        def applied_state(n_ref: np.ndarray = n_ref) -> None:
+            if G:
+                _equal(host(subject.num_blocks.gpu), host(reference.num_blocks.gpu), where, "num_blocks.gpu")
+            for g in range(G):
+                mask = np.arange(cfg.max_num_blocks_per_group[g])[None, :] < n_ref[g][:, None]
+                tables = [host(x.block_tables[g].gpu) * mask for x in both]
+                _equal(tables[0], tables[1], where, f"block_tables[{g}].gpu (first num_blocks cells of each row)")
+
+        # Most steps read nothing of the subject between the apply and the gather (an apply may land in the gather's
+        # launch); every third step reads the applied state at once (which must then be in place).
+        if s % 3 == 2:
+            applied_state()
 
         if step.dummy is not None:
             n, t = step.dummy
@@ -195,4 +207,6 @@ def run_lockstep(
                 buffers.append(host(buf))
             _equal(buffers[0], buffers[1], where, "slot-mapping buffers (whole)")
             calls += 1
+        where.call = "after the step"
+        applied_state()
     return calls
