@@ -231,7 +231,8 @@ def scenario(seed: int, steps: int = 8, config: Config | None = None) -> Scenari
             positions: list[int] = []
             spare = T - sum(scheduled.values())
             for row in order:
-                while spare > 0 and rng.random() < 0.1:
+                # the runner's batches (dummies included) hold at most max_num_reqs entries
+                while spare > 0 and len(slot_idx) + len(order) < R and rng.random() < 0.1:
                     k = rng.randint(1, min(3, spare))
                     slot_idx.append(-1)
                     positions += [rng.randint(0, 4 * cap) for _ in range(k)]

@@ -13,7 +13,7 @@ from tests.vllm.engine import scenario
 from tests.vllm.lockstep import run_lockstep
 from tests.vllm.model import ModelBlockTables
 
-SCENARIOS = int(os.environ.get("MULTIWRITE_VLLM_SCENARIOS", "0")) or (400 if torch.cuda.is_available() else 40)
+SCENARIOS = int(os.environ.get("MULTIWRITE_VLLM_SCENARIOS", "0")) or (800 if torch.cuda.is_available() else 100)
 
 
 @pytest.mark.parametrize("chunk", range(4))
