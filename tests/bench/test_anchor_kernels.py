@@ -3,8 +3,9 @@ fused variant), run here through Triton's interpreter over trace steps and check
 equal the reference, and a wrong slot is reported.
 
 White-box: off a GPU the bench never runs the anchors (it says why and skips them), so this test drives the bench's
-own stage helpers directly, `multiwrite.bench.stage_designs.StepBuffers` (the step persistent input buffers) and `_check` (the
-comparison with the reference the bench applies to every design); there is no public face to them.
+own stage helpers directly, `multiwrite.bench.stage_designs.StepBuffers` (the step's persistent input buffers) and
+`multiwrite.bench.stage._check` (the comparison with the reference the bench applies to every design); there is no
+public face to them.
 """
 
 from __future__ import annotations
