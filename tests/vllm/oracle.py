@@ -308,8 +308,30 @@ def fetch_wheel(dest: Path) -> Path:
     return dest
 
 
+def extract(wheel: Path, dest: Path) -> Path:
+    """Copy the two files out of `wheel` into `dest` (a directory for `MULTIWRITE_VLLM_SRC` on a machine without
+    network); returns `dest`."""
+    old = os.environ.get(WHEEL_ENV), os.environ.get(SRC_ENV)
+    os.environ[WHEEL_ENV] = str(wheel)
+    os.environ.pop(SRC_ENV, None)
+    try:
+        return locate_sources(dest)
+    finally:
+        for name, value in zip((WHEEL_ENV, SRC_ENV), old):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+USAGE = """usage: python -m tests.vllm.oracle fetch DEST.whl      download vLLM 0.33.0's wheel unless DEST.whl exists
+       python -m tests.vllm.oracle extract WHEEL DIR    copy block_table.py and buffer_utils.py into DIR"""
+
 if __name__ == "__main__":
-    # python -m tests.vllm.oracle fetch DEST
-    if len(sys.argv) != 3 or sys.argv[1] != "fetch":
-        sys.exit("usage: python -m tests.vllm.oracle fetch DEST.whl")
-    print(fetch_wheel(Path(sys.argv[2])))
+    args = sys.argv[1:]
+    if len(args) == 2 and args[0] == "fetch":
+        print(fetch_wheel(Path(args[1])))
+    elif len(args) == 3 and args[0] == "extract":
+        print(extract(Path(args[1]), Path(args[2])))
+    else:
+        sys.exit(USAGE)

@@ -137,3 +137,13 @@ def test_stand_in_logger_warns_once(caplog):
         for _ in range(3):
             log.warning_once("falling back %s", textwrap.dedent("x"))
     assert [r.getMessage() for r in caplog.records] == ["falling back x"]
+
+
+def test_extract_for_a_machine_without_network(no_env, fake_sources, tmp_path):
+    wheel = tmp_path / "w.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, member in oracle.MEMBERS.items():
+            z.writestr(member, (fake_sources / name).read_text())
+    out = oracle.extract(wheel, tmp_path / "ship")
+    assert (out / "buffer_utils.py").read_text() == FAKE_BUFFER_UTILS
+    assert not oracle.configured()  # the environment is left as it was
