@@ -19,6 +19,7 @@ naming the request, the group and the capacity, and change nothing; `reference` 
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,10 @@ def run_lockstep(
     of calls compared."""
     cfg = scenario.config
     G = cfg.groups
+    # the runner's dtypes (int32 query_start_loc and num_computed_tokens, int64 positions) most of the time
+    pick = random.Random(scenario.seed)
+    qsl_dtype, nct_dtype = (pick.choice([torch.int32, torch.int32, torch.int64]) for _ in range(2))
+    pos_dtype = pick.choice([torch.int64, torch.int64, torch.int32])
     where = Where(scenario.seed)
     both = (subject, reference)
     calls = 0
@@ -147,7 +152,7 @@ def run_lockstep(
             gat = step.gather
             where.call = f"gather_block_tables({gat})"
             idx = tensor(gat.idx_mapping, idx_dtype)
-            nct = None if gat.num_computed_tokens is None else tensor(gat.num_computed_tokens, torch.int32)
+            nct = None if gat.num_computed_tokens is None else tensor(gat.num_computed_tokens, nct_dtype)
             results = []
             for x, (ptrs, _) in zip(both, persistent):
                 kwargs: dict[str, Any] = {"num_computed_tokens": nct}
@@ -194,8 +199,8 @@ def run_lockstep(
                     kwargs["out"] = buf
                 got = x.compute_slot_mappings(
                     tensor(sl.idx_mapping, idx_dtype),
-                    tensor(sl.query_start_loc, torch.int32),
-                    tensor(sl.positions, torch.int64),
+                    tensor(sl.query_start_loc, qsl_dtype),
+                    tensor(sl.positions, pos_dtype),
                     sl.num_tokens_padded,
                     **kwargs,
                 )

@@ -313,3 +313,20 @@ def test_bad_request_rows_are_refused_naming_them(call, names):
     assert bt.block_tables[0].gpu.tolist() == [[0, 0]] * 3  # still staged, not applied
     bt.apply_staged_writes()
     assert bt.block_tables[0].gpu.tolist() == [[1, 0], [0, 0], [0, 0]]
+
+
+def test_slots_past_two_to_the_31_are_exact(ours, t):
+    bt = ours([2048], 1, 4, [1])
+    bt.append_block_ids(0, ([2**20 + 3],), overwrite=True)
+    bt.apply_staged_writes()
+    assert rows(bt.compute_slot_mappings(t([0]), t([0, 1]), t([5], torch.int64), 1)) == [[(2**20 + 3) * 2048 + 5]]
+
+
+def test_vllm_wraps_slots_past_two_to_the_31(oracle, device, t):
+    """Why the oracle comparison keeps block id x block size below 2**31: vLLM multiplies them in int32."""
+    bt = oracle.make([2048], 1, 4, [1], device=device)
+    bt.append_block_ids(0, ([2**20 + 3],), overwrite=True)
+    bt.apply_staged_writes()
+    assert rows(bt.compute_slot_mappings(t([0]), t([0, 1]), t([5], torch.int64), 1)) == [
+        [(2**20 + 3) * 2048 + 5 - 2**32]
+    ]
