@@ -61,10 +61,11 @@ def test_the_deferred_apply_equals_an_apply_at_once_over_many_steps(device, back
         idx = torch.tensor(rows, dtype=torch.int64, device=device)
         qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
         pos = torch.tensor([int(rng.integers(0, 8)) for _ in range(n)], dtype=torch.int64, device=device)
+        padded = n + int(rng.integers(0, R - n + 1))
         outs = []
         for bt in (deferred, at_once):
             bt.apply_staged_writes()
-            gathered = bt.gather_block_tables(idx, n + int(rng.integers(0, R - n + 1)))
+            gathered = bt.gather_block_tables(idx, padded)
             slots = bt.compute_slot_mappings(idx, qsl, pos, n + 1)
             outs.append(([g.clone() for g in gathered], slots.clone()))
         for a, b in zip(outs[0][0], outs[1][0]):
