@@ -114,6 +114,7 @@ class BlockTables(BlockIdStaging):
             cp_size, cp_rank, cp_interleave, *groups,
         )  # fmt: skip
         G, R = layout.num_groups, layout.max_num_reqs
+        self._device = device
         self.block_sizes, self.kernel_block_sizes = layout.block_sizes, layout.kernel_block_sizes
         self.kernel_blocks_per_block = layout.kernel_blocks_per_block
         self.max_num_blocks_per_group, self.max_num_reqs = layout.max_num_blocks_per_group, R
@@ -189,7 +190,7 @@ class BlockTables(BlockIdStaging):
     @property
     def device(self) -> torch.device:
         """Device of the tables."""
-        return self._layout.device
+        return self._device
 
     @property
     def cuda_graphs(self) -> bool:
@@ -318,6 +319,11 @@ class BlockTables(BlockIdStaging):
             GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
                 (otherwise a capture records the gather; its inputs must then be on the device).
         """
+        if out is None and self.graph is None:  # (the fast path of an engine's device inputs: `_fast_stage`)
+            step = self._fast_stage(apply_staged, idx_mapping, num_reqs_padded, None, None, None, None,
+                                    num_computed_tokens)  # fmt: skip
+            if step is not None:
+                return step.gathered(self._layout)
         step = self._stage("gather_block_tables", apply_staged, out, None, idx_mapping, num_reqs_padded,
                            num_computed_tokens=num_computed_tokens)  # fmt: skip
         return step.gathered(self._layout) if out is None else tuple(t[: step.num_reqs_padded] for t in out)
@@ -361,6 +367,11 @@ class BlockTables(BlockIdStaging):
             GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
                 (otherwise a capture records the slot mappings; its inputs must then be on the device).
         """
+        if out is None and self.graph is None:
+            step = self._fast_stage(apply_staged, idx_mapping, None, query_start_loc, positions, num_tokens_padded,
+                                    is_padding, None)  # fmt: skip
+            if step is not None:
+                return step.slots(self._layout)
         step = self._stage("compute_slot_mappings", apply_staged, None, out, idx_mapping, None, query_start_loc,
                            positions, num_tokens_padded, is_padding)  # fmt: skip
         return step.slots(self._layout) if out is None else out[:, : step.num_tokens_padded]
@@ -447,7 +458,7 @@ class BlockTables(BlockIdStaging):
             self._rows(step)
             self._run(lambda: graph.stage(step, consume=True))
             return step.gathered(self._layout), step.slots(self._layout)
-        refuse_capture(self.device, "BlockTables.prepare_inputs")
+        refuse_capture(self._device, "BlockTables.prepare_inputs")
         if self._storage._version != self._guard.version:  # (one read when nothing was resized: the common case)
             self._guard.check()
         if self._outputs._version != self._outputs_guard.version:
@@ -470,12 +481,43 @@ class BlockTables(BlockIdStaging):
         )
 
     # -- what every job shares ------------------------------------------------------------------------------------
+    def _fast_stage(self, apply_staged: bool, idx, padded, qsl, pos, tokens, pad, nct) -> StepInputs | None:
+        """A gather or slot mapping of tables without graph mode, into their own buffers, from an engine's device
+        inputs (`StepInputs.on_device`), straight to the plan; None (nothing done) for anything else, which
+        `_stage` then checks in full.
+
+        It asks whether a capture is under way only when the call would apply writes: a stage it records reads
+        everything by address, and the rows it zeroes (`num_rows`) only ever differ past the batch's padded rows."""
+        if self._storage._version != self._guard.version:
+            self._guard.check()
+        if self._outputs._version != self._outputs_guard.version:
+            self._outputs_guard.check()
+        writes = apply_staged and self._arena.num_writes
+        if writes and is_capturing(self._device):
+            return None
+        step = StepInputs.on_device(self._layout, idx, padded, qsl, pos, tokens, pad, nct)
+        if step is None:
+            return None
+        if step.do_gather:
+            if self._dirty_rows > step.num_rows:
+                step.num_rows = self._dirty_rows
+            self._dirty_rows = step.num_reqs
+        try:
+            if writes:
+                self._plan.prepare(step)
+            else:
+                self._plan.stage(step)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        return step
+
     def _stage(self, what: str, apply_staged: bool, gather_outs, slots_out, *inputs, **named) -> StepInputs:
-        """A gather or slot-mapping job (`what`; with `apply_staged`, the apply first): its `inputs` checked
-        (`_step`), then staged by graph mode (recorded during a capture, else run) or by the backend's plan (eager,
-        or recorded by a capture: the plan's stage launches read everything by address)."""
+        """A gather or slot-mapping job (`what`; with `apply_staged`, the apply first) that `_fast_stage` did not
+        take: its `inputs` checked in full (`_step`), host inputs copied to the device, then staged by graph mode
+        (recorded during a capture, else run), into the caller's outputs by the torch stage, or by the backend's
+        plan (eager, or recorded by a capture: the plan's stage launches read everything by address)."""
         graph = self.graph
-        device = self.device
+        device = self._device
         capturing = is_capturing(device)
         if graph is None:
             if apply_staged and self._arena.num_writes:
@@ -485,12 +527,7 @@ class BlockTables(BlockIdStaging):
             if self._outputs._version != self._outputs_guard.version:
                 self._outputs_guard.check()
         layout = self._layout
-        step = None
-        if gather_outs is None and slots_out is None:
-            idx, padded, qsl, pos, tokens, pad = (*inputs, None, None, None, None)[:6]
-            step = StepInputs.on_device(layout, idx, padded, qsl, pos, tokens, pad, named.get("num_computed_tokens"))
-        if step is None:
-            step = self._step(what, *inputs, staged=apply_staged, device_only=capturing, **named)
+        step = self._step(what, *inputs, staged=apply_staged, device_only=capturing, **named)
         if gather_outs is not None:
             gather_outs = _outputs(layout, what, gather_outs, step)
         if slots_out is not None:
