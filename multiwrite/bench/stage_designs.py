@@ -129,11 +129,11 @@ class Vllm033(VllmDesign):
     name, launches = "vllm-0.33", "3"
 
     def make(self, bs, concurrency, max_tokens, widths, device, backend):
-        from multiwrite.vllm.upstream import load_vllm_block_tables
+        from multiwrite.vllm.upstream import VllmSourceError, load_vllm_block_tables
 
         try:
             cls = load_vllm_block_tables(device.type)
-        except LookupError as exc:
+        except VllmSourceError as exc:
             raise BackendUnavailableError(str(exc)) from None
         self.bt = None
         return cls(list(bs), concurrency, max_tokens, widths, device)

@@ -23,153 +23,26 @@ this is exact, and it changes nothing on a GPU (the interpreter is not used ther
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import logging
 import os
 import sys
 import types
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-WHEEL_ENV = "MULTIWRITE_VLLM_WHEEL"
-SRC_ENV = "MULTIWRITE_VLLM_SRC"
-#: The two files, by their path inside vLLM's wheel.
-MEMBERS = {
-    "block_table.py": "vllm/v1/worker/gpu/block_table.py",
-    "buffer_utils.py": "vllm/v1/worker/gpu/buffer_utils.py",
-}
-SKIP_REASON = (
-    "vLLM's BlockTables oracle is not located: run `tox -e vllm` (downloads vLLM 0.33.0's wheel), or set "
-    f"{WHEEL_ENV}=<path of vllm-0.33.0-*.whl> or {SRC_ENV}=<a directory holding block_table.py and buffer_utils.py "
-    "from vllm/v1/worker/gpu/>"
-)
-PAD = -1
-
-
-class OracleConfigError(RuntimeError):
-    """`MULTIWRITE_VLLM_WHEEL` or `MULTIWRITE_VLLM_SRC` is set but does not point at the two files."""
-
-
-def configured() -> bool:
-    """Whether one of the two environment variables is set (then a missing file is an error, not a skip)."""
-    return bool(os.environ.get(SRC_ENV) or os.environ.get(WHEEL_ENV))
-
-
-def locate_sources(scratch: Path) -> Path:
-    """The directory holding vLLM's `block_table.py` and `buffer_utils.py`, extracting them from the wheel into
-    `scratch` when `MULTIWRITE_VLLM_WHEEL` names one. Raises `OracleConfigError` naming the variable and path."""
-    src = os.environ.get(SRC_ENV)
-    if src:
-        root = Path(src)
-        missing = [name for name in MEMBERS if not (root / name).is_file()]
-        if missing:
-            raise OracleConfigError(f"{SRC_ENV}={src}: no {', '.join(missing)} in that directory")
-        return root
-    wheel = os.environ.get(WHEEL_ENV)
-    if not wheel:
-        raise OracleConfigError(SKIP_REASON)
-    if not Path(wheel).is_file():
-        raise OracleConfigError(f"{WHEEL_ENV}={wheel}: no such file")
-    try:
-        with zipfile.ZipFile(wheel) as whl:
-            names = set(whl.namelist())
-            missing = [member for member in MEMBERS.values() if member not in names]
-            if missing:
-                raise OracleConfigError(f"{WHEEL_ENV}={wheel}: the wheel holds no {', '.join(missing)}")
-            scratch.mkdir(parents=True, exist_ok=True)
-            for name, member in MEMBERS.items():
-                (scratch / name).write_bytes(whl.read(member))
-    except zipfile.BadZipFile as e:
-        raise OracleConfigError(f"{WHEEL_ENV}={wheel}: not a wheel ({e})") from None
-    return scratch
-
-
-# -- the stand-ins for vLLM's imports ------------------------------------------------------------------------------
-_PACKAGES = (
-    "vllm",
-    "vllm.v1",
-    "vllm.v1.attention",
-    "vllm.v1.attention.backends",
-    "vllm.v1.worker",
-    "vllm.v1.worker.gpu",
-    "vllm.utils",
-)
-
-
-class _OnceLogger(logging.LoggerAdapter):
-    """The `warning_once`/`info_once` of vLLM's logger, on a standard one."""
-
-    _seen: set[tuple[str, str]] = set()
-
-    def _once(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
-        key = (logging.getLevelName(level), msg % args if args else msg)
-        if key not in self._seen:
-            self._seen.add(key)
-            self.log(level, msg, *args)
-
-    def warning_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self._once(logging.WARNING, msg, *args)
-
-    def info_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self._once(logging.INFO, msg, *args)
-
-
-def _to_device(data: Any, device: Any = None, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
-    if dtype is None and out is not None:
-        dtype = out.dtype
-    if isinstance(data, np.ndarray):
-        data = torch.from_numpy(data)
-    t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data, dtype=dtype)
-    if out is not None:
-        return out.copy_(t)
-    return t.to(device=device, dtype=dtype)
-
-
-def _no_uva_view(t: torch.Tensor) -> torch.Tensor:
-    raise RuntimeError("the oracle's stand-in has no UVA: vLLM should have chosen its non-UVA buffers")
-
-
-def _stub_modules(device_type: str) -> dict[str, types.ModuleType]:
-    import triton
-    import triton.language as tl
-
-    def module(name: str, **attrs: Any) -> types.ModuleType:
-        m = types.ModuleType(name)
-        m.__path__ = []  # a package, so that the submodules below import
-        m.__dict__.update(attrs)
-        return m
-
-    mods = {name: module(name) for name in _PACKAGES}
-    mods["vllm.triton_utils"] = module("vllm.triton_utils", triton=triton, tl=tl)
-    mods["vllm.v1.attention.backends.utils"] = module("vllm.v1.attention.backends.utils", PAD_SLOT_ID=PAD)
-    mods["vllm.logger"] = module("vllm.logger", init_logger=lambda name: _OnceLogger(logging.getLogger(name), {}))
-    mods["vllm.utils.platform_utils"] = module("vllm.utils.platform_utils", is_uva_available=lambda: False)
-    mods["vllm.utils.torch_utils"] = module(
-        "vllm.utils.torch_utils", async_tensor_h2d=_to_device, get_accelerator_view_from_cpu_tensor=_no_uva_view
-    )
-    mods["vllm.platforms"] = module("vllm.platforms", current_platform=types.SimpleNamespace(device_type=device_type))
-    return mods
-
-
-@contextlib.contextmanager
-def _modules_in_place(mods: dict[str, types.ModuleType], also: tuple[str, ...] = ()) -> Iterator[None]:
-    """`mods` in `sys.modules` for the duration; afterwards those names and `also` are as they were."""
-    saved = {name: sys.modules.get(name) for name in (*mods, *also)}
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
+# The one loader of vLLM's files, shared with the bench; re-exported for the tests.
+from multiwrite.vllm.upstream import MEMBERS as MEMBERS
+from multiwrite.vllm.upstream import PAD as PAD
+from multiwrite.vllm.upstream import SKIP_REASON as SKIP_REASON
+from multiwrite.vllm.upstream import SRC_ENV as SRC_ENV
+from multiwrite.vllm.upstream import WHEEL_ENV as WHEEL_ENV
+from multiwrite.vllm.upstream import OnceLogger as OnceLogger
+from multiwrite.vllm.upstream import VllmSourceError as VllmSourceError
+from multiwrite.vllm.upstream import configured as configured
+from multiwrite.vllm.upstream import load_modules, locate_sources, modules_in_place
 
 
 @dataclass
@@ -189,7 +62,7 @@ class Oracle:
 
     def active(self) -> contextlib.AbstractContextManager[None]:
         """The stand-ins and vLLM's two modules in `sys.modules` for the duration, as they were at load time."""
-        return _modules_in_place(self.modules)
+        return modules_in_place(self.modules)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -228,21 +101,9 @@ class OracleTables:
 
 
 def load_oracle(source: Path, device_type: str) -> Oracle:
-    """Load `source`'s `buffer_utils.py` and `block_table.py` as `vllm.v1.worker.gpu.*` with the stand-ins in place;
-    `sys.modules` is restored afterwards. Set `TRITON_INTERPRET=1` first where there is no GPU (Triton reads it when
-    vLLM's kernels are decorated)."""
-    mods = _stub_modules(device_type)
-    with _modules_in_place(mods, also=("vllm.v1.worker.gpu.buffer_utils", "vllm.v1.worker.gpu.block_table")):
-        loaded = {}
-        for short in ("buffer_utils", "block_table"):
-            name = f"vllm.v1.worker.gpu.{short}"
-            spec = importlib.util.spec_from_file_location(name, source / f"{short}.py")
-            assert spec is not None and spec.loader is not None
-            m = importlib.util.module_from_spec(spec)
-            sys.modules[name] = m
-            spec.loader.exec_module(m)
-            loaded[short] = mods[name] = m
-    return Oracle(loaded["block_table"], loaded["buffer_utils"], source, mods)
+    """vLLM's two modules loaded from `source` (`multiwrite.vllm.upstream.load_modules`), as an `Oracle`."""
+    block_table, buffer_utils, mods = load_modules(source, device_type)
+    return Oracle(block_table, buffer_utils, source, mods)
 
 
 # -- Triton 3.9's interpreter and int8 masks -----------------------------------------------------------------------

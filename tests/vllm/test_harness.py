@@ -3,6 +3,7 @@ stand-ins and leaving `sys.modules` as it was, and the bool-mask workaround for 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import textwrap
@@ -50,7 +51,7 @@ def no_env(monkeypatch):
 
 def test_unconfigured_says_how_to_run(no_env, tmp_path):
     assert not oracle.configured()
-    with pytest.raises(oracle.OracleConfigError, match=r"tox -e vllm"):
+    with pytest.raises(oracle.VllmSourceError, match=r"tox -e vllm"):
         oracle.locate_sources(tmp_path)
 
 
@@ -58,7 +59,7 @@ def test_source_directory(no_env, monkeypatch, fake_sources, tmp_path):
     monkeypatch.setenv(oracle.SRC_ENV, str(fake_sources))
     assert oracle.locate_sources(tmp_path / "unused") == fake_sources
     (fake_sources / "buffer_utils.py").unlink()
-    with pytest.raises(oracle.OracleConfigError, match=rf"{oracle.SRC_ENV}=.*no buffer_utils\.py"):
+    with pytest.raises(oracle.VllmSourceError, match=rf"{oracle.SRC_ENV}=.*no buffer_utils\.py"):
         oracle.locate_sources(tmp_path / "unused")
 
 
@@ -74,13 +75,13 @@ def test_wheel_extraction(no_env, monkeypatch, fake_sources, tmp_path):
     assert (out / "block_table.py").read_text() == FAKE_BLOCK_TABLE
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(oracle.MEMBERS["block_table.py"], "")
-    with pytest.raises(oracle.OracleConfigError, match=r"holds no vllm/v1/worker/gpu/buffer_utils\.py"):
+    with pytest.raises(oracle.VllmSourceError, match=r"holds no vllm/v1/worker/gpu/buffer_utils\.py"):
         oracle.locate_sources(tmp_path / "y")
     wheel.write_text("not a zip")
-    with pytest.raises(oracle.OracleConfigError, match=r"not a wheel"):
+    with pytest.raises(oracle.VllmSourceError, match=r"not a wheel"):
         oracle.locate_sources(tmp_path / "z")
     monkeypatch.setenv(oracle.WHEEL_ENV, str(tmp_path / "missing.whl"))
-    with pytest.raises(oracle.OracleConfigError, match=r"missing\.whl: no such file"):
+    with pytest.raises(oracle.VllmSourceError, match=r"missing\.whl: no such file"):
         oracle.locate_sources(tmp_path / "w")
 
 
@@ -132,7 +133,7 @@ def test_fetch_keeps_a_wheel_already_there(tmp_path):
 
 
 def test_stand_in_logger_warns_once(caplog):
-    log = oracle._OnceLogger(oracle.logging.getLogger("tests.vllm.once"), {})
+    log = oracle.OnceLogger(logging.getLogger("tests.vllm.once"), {})
     with caplog.at_level("WARNING", logger="tests.vllm.once"):
         for _ in range(3):
             log.warning_once("falling back %s", textwrap.dedent("x"))

@@ -274,11 +274,6 @@ def test_the_plugin_module_is_packaged():
     assert "multiwrite.vllm" in tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="multiwrite/vllm/__init__.py imports multiwrite.vllm.block_tables (torch, numpy) at once, so importing "
-    "the entry point's module does too; a lazy module __getattr__ there would not",
-)
 def test_refusal_and_plugin_import_no_torch():
     """Nothing heavy is imported by the entry point when it is off, nor by a refused install (a fresh interpreter)."""
     code = textwrap.dedent(
