@@ -72,12 +72,12 @@ class PagedBatch:
         self.kv_len = torch.zeros(B, **i64)
         self.owner = torch.full((P,), -1, **i64)
         self.logical = torch.full((P,), -1, **i64)
-        # FlexAttention's KV block lists: [B, heads=1, q blocks=1, P] (as wide as the cache has pages, which the
-        # compiled kernels require); per entry its last block "partial" (masked), the others "full" (not masked).
+        # FlexAttention's KV block lists: [B, heads=1, q blocks=1, max(P, W)] (at least as wide as the cache has
+        # pages, which the compiled kernels require); per entry its last block "partial" (masked), the others "full".
         self.num_partial = torch.zeros(B, 1, 1, **i32)
-        self.partial = torch.zeros(B, 1, 1, P, **i32)
+        self.partial = torch.zeros(B, 1, 1, max(P, W), **i32)
         self.num_full = torch.zeros(B, 1, 1, **i32)
-        self.full = torch.zeros(B, 1, 1, P, **i32)
+        self.full = torch.zeros(B, 1, 1, max(P, W), **i32)
         self._entry = torch.arange(B, **i64)[:, None].expand(B, W)
         self._column = torch.arange(W, **i64)[None, :].expand(B, W)
         self._block_mask = None

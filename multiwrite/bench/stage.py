@@ -101,9 +101,10 @@ class _Inputs:
 class _Runner:
     name = ""
     launches = ""
+    config = STAGE_CONFIG  # the tables' configuration (`bench.model_step` runs the designs on G1)
 
     def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        bs, kbs = CONFIGS[STAGE_CONFIG]
+        bs, kbs = CONFIGS[self.config]
         self.bt = BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
                               max_num_batched_tokens=max_tokens)  # fmt: skip
         self._append = self.bt.append_block_ids
@@ -226,7 +227,7 @@ class GraphMode(_Runner):
     name, launches = "graph-mode", "0 (replay)"
 
     def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        bs, kbs = CONFIGS[STAGE_CONFIG]
+        bs, kbs = CONFIGS[self.config]
         self.bt = BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
                               max_num_batched_tokens=max_tokens, cuda_graphs=True)  # fmt: skip
         self._append = self.bt.append_block_ids
