@@ -93,7 +93,7 @@ def run(size: Size, device: torch.device, attention: PagedAttention, trace: Trac
 
     num_slots = num_pages * BLOCK_SIZE  # the paged KV cache: random at first, plus one dump block for PAD slots
     g = torch.Generator(device=device).manual_seed(seed)
-    shape = (num_slots + BLOCK_SIZE, size.kv_heads, size.head_dim)
+    shape = (size.kv_heads, num_slots + BLOCK_SIZE, size.head_dim)  # head-major, as FlexAttention reads it
     k_cache = torch.randn(shape, generator=g, device=device, dtype=size.dtype)
     v_cache = torch.randn(shape, generator=g, device=device, dtype=size.dtype)
     history_k = torch.zeros(C, max_len, size.kv_heads, size.head_dim, device=device, dtype=size.dtype)
@@ -152,7 +152,8 @@ def run(size: Size, device: torch.device, attention: PagedAttention, trace: Trac
             p = positions[mine]
             slot = torch.tensor(blocks[row], dtype=torch.int64)[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
             slot, mine = slot.to(device), mine.to(device)
-            wrong = (k_cache[slot] != k[mine]).flatten(1).any(1) | (v_cache[slot] != v[mine]).flatten(1).any(1)
+            wrong = (k_cache[:, slot] != k[mine].transpose(0, 1)) | (v_cache[:, slot] != v[mine].transpose(0, 1))
+            wrong = wrong.transpose(0, 1).flatten(1).any(1)
             misplaced += int(wrong.sum())
     return Result(worst, misplaced, len(schedule), checked, admitted, finished)
 

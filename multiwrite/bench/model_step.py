@@ -155,9 +155,9 @@ def _check_model(model: _Model, ref: ReferenceBlockTables, rows: Sequence[int], 
         table = torch.from_numpy(ref.tables[0][row, : p // bs + 1].astype(np.int64)).to(model.device)
         pos = torch.arange(p + 1, device=model.device)
         slots = table[pos // bs] * bs + pos % bs
-        if not (torch.equal(k_cache[slots[-1]], rec["k"][b]) and torch.equal(v_cache[slots[-1]], rec["v"][b])):
+        if not (torch.equal(k_cache[:, slots[-1]], rec["k"][b]) and torch.equal(v_cache[:, slots[-1]], rec["v"][b])):
             return f"layer 0: entry {b} (row {row}, position {p}): its K/V is not at slot {int(slots[-1])}"
-        k, v = k_cache[slots].clone(), v_cache[slots].clone()
+        k, v = k_cache[:, slots].transpose(0, 1).clone(), v_cache[:, slots].transpose(0, 1).clone()
         k[-1], v[-1] = rec["k"][b], rec["v"][b]
         want = dense_attention(rec["q"][b], k, v, pos[-1:])
         err = float((rec["out"][b].double() - want).abs().max() / want.abs().max().clamp(min=1e-30))
@@ -185,7 +185,7 @@ def measure_model(
     dtype = model_dtype(device)
     result = ModelResult(shape, str(dtype).replace("torch.", ""))
     kinds, result.skipped = designs(device)
-    impl = PagedAttention(attention, compile=device.type == "cuda")
+    impl = PagedAttention(attention, compile=device.type == "cuda" or shape.compile_on_cpu)
     result.attention = impl.name
     clock = time.perf_counter_ns
     bs, kbs = CONFIGS[MODEL_CONFIG]

@@ -1,8 +1,9 @@
 """Paged attention that reads K/V through multiwrite's gathered block tables, with a kernel this project does not
 write (torch's FlexAttention), and the dense attention it is checked against.
 
-The KV cache of one layer is `[num_slots + block_size, kv_heads, head_dim]`: slot `s` of block `b` is
-`b * block_size + s` (the slot mappings' formula), plus one dump block whose last row PAD tokens (slot -1) are
+The K (or V) cache of one layer is `[kv_heads, num_slots + block_size, head_dim]`, head-major as FlexAttention
+reads it (a contiguous `[1, kv_heads, slots, head_dim]` view, nothing copied): slot `s` of block `b` is
+`b * block_size + s` (the slot mappings' formula), plus one dump block whose last slot PAD tokens (slot -1) are
 written to, so that the write needs no host synchronization and stays capturable in a CUDA graph (`write_kv`).
 
 Two implementations of the attention, both reading through the gathered tables (a wrong block id reads the wrong
@@ -34,11 +35,11 @@ DESCRIPTIONS = {
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
-    """Write `new` (`[T, kv_heads, head_dim]`) into `cache` (`[num_slots + block_size, kv_heads, head_dim]`) at
-    `slots` (int64 `[T]`, the slot mappings; -1 = PAD goes to the dump block, `cache[num_slots]`). No host
+    """Write `new` (`[T, kv_heads, head_dim]`) into `cache` (`[kv_heads, num_slots + block_size, head_dim]`) at
+    `slots` (int64 `[T]`, the slot mappings; -1 = PAD goes to the dump block's last slot). No host
     synchronization."""
-    dump = cache.shape[0] - 1
-    cache.index_copy_(0, torch.where(slots >= 0, slots, dump), new)
+    dump = cache.shape[1] - 1
+    cache.index_copy_(1, torch.where(slots >= 0, slots, dump), new.transpose(0, 1))
 
 
 class PagedBatch:
@@ -131,13 +132,14 @@ class PagedBatch:
 
 
 class PagedAttention:
-    """`out = attention(q, k_cache, v_cache, batch)`: q `[B, q_heads, Q, head_dim]`, caches `[num_slots + block_size,
-    kv_heads, head_dim]` (`write_kv`'s layout), batch a `PagedBatch`; out `[B, q_heads, Q, head_dim]` (rows of
-    padding queries are unspecified).
+    """`out = attention(q, k_cache, v_cache, batch)`: q `[B, q_heads, Q, head_dim]`, caches `[kv_heads,
+    num_slots + block_size, head_dim]` (`write_kv`'s layout), batch a `PagedBatch`; out `[B, q_heads, Q, head_dim]`
+    (rows of padding queries are unspecified).
 
     Args:
         impl: `flex-paged`, `sdpa-gathered` or `auto` (`flex-paged`, compiled when `compile`).
-        compile: compile `flex_attention` with `torch.compile` (a GPU; the first calls compile, warm it up untimed).
+        compile: compile `flex_attention` with `torch.compile` (a GPU, or a CPU with a C++ compiler; the first
+            call compiles: warm it up untimed). Unfused (eager) FlexAttention scores every slot of the cache.
     """
 
     def __init__(self, impl: str = "auto", compile: bool = False):
@@ -160,8 +162,8 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch):
         if self.impl == "flex-paged":
-            k = k_cache.permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, slots, head_dim], broadcast over the batch
-            v = v_cache.permute(1, 0, 2).unsqueeze(0)
+            k = k_cache.unsqueeze(0)  # [1, kv_heads, slots, head_dim], broadcast over the batch
+            v = v_cache.unsqueeze(0)
             return self._flex(q, k, v, block_mask=batch.block_mask, enable_gqa=q.shape[1] != k.shape[1])
         return sdpa_gathered(q, k_cache, v_cache, batch)
 
@@ -173,8 +175,8 @@ def sdpa_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bs = batch.block_size
     offsets = torch.arange(bs, device=q.device)
     slots = (batch.gathered.long()[:, :, None] * bs + offsets).reshape(B, W * bs)
-    k = k_cache[slots].transpose(1, 2)
-    v = v_cache[slots].transpose(1, 2)
+    k = k_cache[:, slots].transpose(0, 1)  # [B, kv_heads, width * block_size, head_dim]
+    v = v_cache[:, slots].transpose(0, 1)
     positions = torch.arange(W * bs, device=q.device)
     keep = positions[None, None, :] <= batch.q_pos[:, :, None]  # [B, Q, L]
     keep = keep & (positions[None, None, :] < batch.kv_len[:, None, None])
