@@ -34,12 +34,12 @@ from multiwrite.cli.args import (
     refuse_if_too_big,
     show_progress,
 )
-from multiwrite.cli.bench_model import ModelOptions, add_model_options, model_options, model_plot_path, run_model
 
 if TYPE_CHECKING:
     import torch
 
     from multiwrite.bench.runner import BenchResult
+    from multiwrite.cli.bench_model import ModelOptions
 
 
 @dataclass
@@ -111,6 +111,8 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="also time the Triton launch itself (triton-cuda): each launch path next to an empty launch in the "
         "same loop, a tight loop of a captured decode apply, and device times behind a sleep (GPU)",
     )
+    from multiwrite.cli.bench_model import add_model_options
+
     add_model_options(p)
     p.add_argument(
         "--stage",
@@ -205,6 +207,8 @@ def run_bench(
                 trace, device, backend, opts.steps, opts.warmup, opts.concurrency, empty, floor, tick
             )
         if model is not None:
+            from multiwrite.cli.bench_model import run_model
+
             result.model = run_model(model, trace, device, backend, opts, tick)
     result.interpreted = ran_interpreted(backend_obj)
     result.quick = opts.steps < FULL.steps or opts.burst_reps < FULL.burst_reps
@@ -292,6 +296,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise RefusedError(problem)
     device = resolve_device(args.device)  # DeviceError: main() reports it, exit code 2
     check_sizes(opts, device)
+    from multiwrite.cli.bench_model import model_options, model_plot_path
+
     model = model_options(args, opts, device)
     if args.launch:
         from multiwrite.plugins.dispatch import available_backends
