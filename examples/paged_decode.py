@@ -75,7 +75,7 @@ class Result:
 
 
 #: Query lengths a step's batch is padded to (few shapes: each one compiles once).
-Q_BUCKETS = (1, 16, 128, 512, 2048)
+Q_BUCKETS = (1, 16, 128, 2048)
 
 
 def run(size: Size, device: torch.device, attention: PagedAttention, trace: Trace, tamper=None, seed: int = 0):

@@ -14,8 +14,10 @@ ASSUMPTIONS = (
     "TPOT = time per output token of one decode step (every request of the batch gets one token). eager TPOT = "
     "stage host time + the step's eager wall time (the host runs the stage, then the step); graph TPOT = stage "
     "host time + replay host time + the replay's device time (synchronous scheduling: the host runs the stage, "
-    "launches the replay, waits). share = stage host time / TPOT. async: the host work of a step (stage + replay "
-    "launch) hides behind the previous step's device time iff it is shorter; margin = device time - host work. "
+    "launches the replay, waits). share = stage host time / TPOT. async hides (computed from the medians, not "
+    "timed as a pipeline): the host work of a step (stage + replay launch) hides behind the previous step's "
+    "device time iff it is shorter; margin = device time - host work. Eager: the step's ops run one by one, "
+    "FlexAttention compiled where the attention says so. "
     "Left out of the step: embedding, rotary embeddings, final norm, LM head, sampling, collectives, the "
     "scheduler and input preparation other than the block-table stage; the graph-mode design's captured stage "
     "kernels are not added to the graph's device time. Random weights; trace sequence lengths."
@@ -72,17 +74,21 @@ def model_lines(result: ModelResult, format_table: Callable) -> list[str]:
     if result.fallback:
         out.append(textwrap.fill(f"  fallback: {result.fallback}", 110, subsequent_indent="    "))
     out += format_table(
-        ["C", "decode steps", "batch", "mean context", "eager wall", "eager host", "graph device", "replay host",
-         "verified"],
+        ["C", "decode steps", "batch", "mean context", "eager wall", "eager host", "host / wall", "graph device",
+         "replay host", "verified"],
         [[str(s["C"]), str(s["steps"]), f"{s['batch']:g}", f"{s['ctx']:.0f}", _us(s["eager_wall_us"]),
-          _us(s["eager_host_us"]), _us(s["graph_device_us"]), _us(s["replay_host_us"]),
-          "no" if s["mismatch"] else "yes"] for s in result.steps],
+          _us(s["eager_host_us"]), f"{s['eager_host_us'] / s['eager_wall_us']:.2f}", _us(s["graph_device_us"]),
+          _us(s["replay_host_us"]), "no" if s["mismatch"] else "yes"] for s in result.steps],
     )  # fmt: skip
+    out.append(
+        "  eager host: the step's host time to the return of its last launch; host / wall near 1: the eager step is "
+        "host-bound (the device waits for the host)"
+    )
     if any(not math.isfinite(s["graph_device_us"]) for s in result.steps):
         out.append("  graph device / replay host: not measured (no CUDA graphs off a GPU)")
     out += ["", "  the block-table stage in the step, per design (stage: host time per step, staging included)"]
     out += format_table(
-        ["C", "design", "launches", "stage (p99)", "eager TPOT", "share", "graph TPOT", "share", "async: hides",
+        ["C", "design", "launches", "stage (p99)", "eager TPOT", "share", "graph TPOT", "share", "async hides",
          "margin", "verified"],
         [[str(d["C"]), d["variant"], d["launches"], f"{d['stage_us']:.1f} ({d['stage_p99_us']:.1f})",
           _us(d["eager_tpot_us"]), _pct(d["eager_share"]), _us(d["graph_tpot_us"]), _pct(d["graph_share"]),
