@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,7 +129,8 @@ class _Model:
         self.batch = PagedBatch(c, self.gathered.shape[1], 1, bs, pages * bs, device)
         self.q_pos = torch.full((c, 1), -1, dtype=torch.int64, device=device)
         self.x = torch.randn(c, shape.hidden, device=device, dtype=dtype)
-        self.graph = None
+        self.graph: Any = None  # a `torch.cuda.CUDAGraph` once captured
+        self._events: tuple[Any, Any] | None = None
 
     def load(self, positions: Sequence[int]) -> None:
         """The step's query positions (entries past the batch: -1), before the step runs."""
@@ -141,8 +143,31 @@ class _Model:
         return self.stack.forward(self.x, self.slots, self.batch, record)
 
     def capture(self) -> None:
+        """The step captured in a CUDA graph (a GPU; elsewhere no graph: `graph` stays None)."""
         if self.device.type == "cuda":
             self.graph = capture(self.device, self.step)
+
+    def timed_replay(self) -> tuple[float, float]:
+        """Replay the graph: (host time of the replay call, device time of the replay), us; the device time from
+        CUDA events on a GPU, else the wall time to the end of a synchronize."""
+        assert self.graph is not None
+        clock = time.perf_counter_ns
+        if self.device.type != "cuda":
+            t0 = clock()
+            self.graph.replay()
+            t1 = clock()
+            synchronize(self.device)
+            return (t1 - t0) / 1e3, (clock() - t0) / 1e3
+        if self._events is None:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        start, end = self._events
+        start.record()
+        t0 = clock()
+        self.graph.replay()
+        t1 = clock()
+        end.record()
+        synchronize(self.device)
+        return (t1 - t0) / 1e3, start.elapsed_time(end) * 1e3
 
 
 def _check_model(model: _Model, ref: ReferenceBlockTables, rows: Sequence[int], starts: Sequence[int]) -> str:
@@ -213,7 +238,6 @@ def measure_model(
         t = {k: [] for k in ("eager_wall_us", "eager_host_us", "graph_device_us", "replay_host_us", "batch", "ctx")}
         model_mismatch = ""
         orders = [runners[k:] + runners[:k] for k in range(len(runners))]
-        events = None
         gc.collect()
         was_enabled = gc.isenabled()
         gc.disable()
@@ -257,15 +281,9 @@ def measure_model(
                         t["batch"].append(len(step.rows))
                         t["ctx"].append(float(np.mean(step.starts)) + 1)
                     if model.graph is not None and i in measured:
-                        events = events or (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                        events[0].record()
-                        t0 = clock()
-                        model.graph.replay()
-                        t1 = clock()
-                        events[1].record()
-                        synchronize(device)
-                        t["replay_host_us"].append((t1 - t0) / 1e3)
-                        t["graph_device_us"].append(events[0].elapsed_time(events[1]) * 1e3)
+                        host, dev = model.timed_replay()
+                        t["replay_host_us"].append(host)
+                        t["graph_device_us"].append(dev)
                 tick(1)
         finally:
             if was_enabled:

@@ -100,3 +100,34 @@ def test_model_options_without_model_are_refused(option, capsys):
         main(["bench", "--quick", "--device", "cpu", *option])
     assert exc.value.code == 2
     assert f"argument {option[0]}: only with --model" in capsys.readouterr().err
+
+
+def test_with_a_stand_in_graph_the_graph_figures_shares_and_panels_appear(tmp_path, capsys, monkeypatch):
+    """Off a GPU there is no CUDA graph; a stand-in whose replay runs the step eagerly drives the graph half of the
+    report, the CSV and the plot as a GPU run does (its times are the eager step's, not a graph's)."""
+    pytest.importorskip("matplotlib")
+    from multiwrite.bench import model_step
+
+    monkeypatch.setattr(model_step._Model, "capture", lambda self: setattr(self, "graph", FakeGraph(self.step)))
+    out_csv, out_png = tmp_path / "bench.csv", tmp_path / "bench.png"
+    assert main([*ARGS, "--csv", str(out_csv), "--plot", str(out_png)]) == 0
+    printed = capsys.readouterr().out
+    assert "graph device / replay host: not measured" not in printed
+    table = printed[printed.index("the block-table stage in the step") :].splitlines()[3]
+    cells = table.split()
+    assert cells[:3] == ["40", "ours", "1"] and cells[-1] == "yes" and cells[-3] in ("yes", "no")
+    assert cells[8].endswith("%") and float(cells[8].rstrip("%")) > 0  # the graph share ("stage (p99)" is 2 cells)
+    with open(out_csv, newline="", encoding="utf-8") as f:
+        metrics = {r["metric"] for r in csv.DictReader(f) if r["config"] == "model-tiny"}
+    assert {"model_graph_device_us", "model_replay_host_us"} <= metrics
+    assert (tmp_path / "bench-model.png").stat().st_size > 20_000  # two panels: eager and graph
+
+
+class FakeGraph:
+    def __init__(self, step):
+        self.replays = 0
+        self._step = step
+
+    def replay(self) -> None:
+        self.replays += 1
+        self._step()
