@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from multiwrite.errors import (
         BackendError,
         BackendUnavailableError,
+        BlockTableWriteError,
         ForkedCudaError,
         GraphCaptureError,
         RingStallError,
@@ -46,6 +47,7 @@ _LAZY = {
     "select_backend": "multiwrite.plugins.dispatch",
     "BackendError": "multiwrite.errors",
     "BackendUnavailableError": "multiwrite.errors",
+    "BlockTableWriteError": "multiwrite.errors",
     "ForkedCudaError": "multiwrite.errors",
     "GraphCaptureError": "multiwrite.errors",
     "RingStallError": "multiwrite.errors",
@@ -76,6 +78,7 @@ __all__ = [
     "BackendError",
     "BackendStatus",
     "BackendUnavailableError",
+    "BlockTableWriteError",
     "BlockTables",
     "ForkedCudaError",
     "FusedStagedWriter",

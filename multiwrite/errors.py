@@ -15,6 +15,13 @@ class StagedWriteError(ValueError):
     """
 
 
+class BlockTableWriteError(StagedWriteError, RuntimeError):
+    """`multiwrite.vllm.BlockTables.append_block_ids` refused a write (for example one past a row's capacity, naming
+    request, group and capacity): a `StagedWriteError` that is also the `RuntimeError` vLLM 0.33's own class raises.
+    Nothing of the call was staged, for any group.
+    """
+
+
 class StageInputError(ValueError):
     """Inputs of `gather_block_tables`, `compute_slot_mappings` or `prepare_inputs` that cannot be used.
 

@@ -278,22 +278,36 @@ def gather_block_tables_reference(
     idx_mapping: Sequence[int],
     num_reqs_padded: int,
     input_block_tables: Sequence[np.ndarray],
+    *,
+    num_rows: int | None = None,
+    num_computed_tokens: Sequence[int] | None = None,
+    sliding_window_reach: Sequence[int] | None = None,
+    kernel_block_sizes: Sequence[int] | None = None,
 ) -> list[np.ndarray]:
     """Gather the scheduled requests' rows into batch order, one cell at a time, into `input_block_tables`.
 
     Batch entry `b < len(idx_mapping)` gets the first `num_blocks[g, idx_mapping[b]]` cells of row
-    `idx_mapping[b]` of `tables[g]`; its other cells keep what they held. Rows `len(idx_mapping) ..
-    num_reqs_padded - 1` become zero. Returns `[input_block_tables[g][:num_reqs_padded] for g]`.
+    `idx_mapping[b]` of `tables[g]`; its other cells keep what they held. An entry of -1 (a dummy request) gets a
+    zero row. Rows `len(idx_mapping) .. max(num_reqs_padded, num_rows) - 1` become zero. With
+    `num_computed_tokens` (per request row) and a group's `sliding_window_reach` `w > 0`, cell `j` of that group
+    becomes 0 when the whole kernel block `j` (`kernel_block_sizes[g]` tokens) lies before position
+    `num_computed_tokens[row] - w`. Returns `[input_block_tables[g][:num_reqs_padded] for g]`.
     """
+    end = max(num_reqs_padded, num_reqs_padded if num_rows is None else num_rows)
     for g, (table, out) in enumerate(zip(tables, input_block_tables)):
-        for b in range(num_reqs_padded):
-            if b < len(idx_mapping):
-                req = int(idx_mapping[b])
-                for col in range(int(num_blocks[g, req])):
-                    out[b, col] = table[req, col]
-            else:
+        reach = 0 if sliding_window_reach is None else int(sliding_window_reach[g])
+        for b in range(end):
+            req = int(idx_mapping[b]) if b < len(idx_mapping) else -1
+            if req < 0:
                 for col in range(out.shape[1]):
                     out[b, col] = 0
+                continue
+            below = 0
+            if num_computed_tokens is not None and reach > 0:
+                assert kernel_block_sizes is not None
+                below = max(int(num_computed_tokens[req]) - reach, 0) // int(kernel_block_sizes[g])
+            for col in range(int(num_blocks[g, req])):
+                out[b, col] = 0 if col < below else table[req, col]
     return [out[:num_reqs_padded] for out in input_block_tables]
 
 
@@ -308,6 +322,9 @@ def compute_slot_mappings_reference(
     cp_size: int = 1,
     cp_rank: int = 0,
     cp_interleave: int = 1,
+    *,
+    slot_mapping_enabled: Sequence[bool] | None = None,
+    dcp_sharded: Sequence[bool] | None = None,
 ) -> np.ndarray:
     """Slot of every token in the KV cache of every group: int64 `[num_groups, num_tokens_padded]`.
 
@@ -318,7 +335,9 @@ def compute_slot_mappings_reference(
     token at position `p` is the rank's local token `j = (c // cp_size) * cp_interleave + p % cp_interleave`
     (with `cp_size == 1`, `j == p`). Its slot is `table[req, j // kbs] * kbs + j % kbs` with the group's
     KERNEL block size `kbs` (the table holds kernel block ids). Tokens another rank owns, tokens whose
-    `is_padding` is true and tokens past `query_start_loc[len(idx_mapping)]` get `PAD_SLOT_ID`.
+    `is_padding` is true, tokens of a dummy request (row -1) and tokens past `query_start_loc[len(idx_mapping)]`
+    get `PAD_SLOT_ID`; so does every token of a group whose `slot_mapping_enabled` is False. A group whose
+    `dcp_sharded` is False is not dealt: every rank stores every token, `j == p`.
 
     This is the rank-local token stream written out one token at a time; it equals vLLM's virtual-block
     formula (ownership in manager-block coordinates, vllm-project/vllm PR #51031) whenever the interleave
@@ -327,14 +346,21 @@ def compute_slot_mappings_reference(
     out = np.full((len(tables), num_tokens_padded), PAD_SLOT_ID, dtype=np.int64)
     for b in range(len(idx_mapping)):
         req = int(idx_mapping[b])
+        if req < 0:
+            continue
         for i in range(int(query_start_loc[b]), int(query_start_loc[b + 1])):
             if is_padding is not None and bool(is_padding[i]):
                 continue
             p = int(positions[i])
             chunk = p // cp_interleave
-            if chunk % cp_size != cp_rank:
-                continue
-            j = (chunk // cp_size) * cp_interleave + p % cp_interleave
             for g, (table, kbs) in enumerate(zip(tables, kernel_block_sizes)):
+                if slot_mapping_enabled is not None and not slot_mapping_enabled[g]:
+                    continue
+                if dcp_sharded is not None and not dcp_sharded[g]:
+                    j = p
+                elif chunk % cp_size != cp_rank:
+                    continue
+                else:
+                    j = (chunk // cp_size) * cp_interleave + p % cp_interleave
                 out[g, i] = int(table[req, j // kbs]) * kbs + j % kbs
     return out

@@ -53,7 +53,8 @@ class TritonPlan(GraphPlan):
         rows = descriptor_rows(self.tables)
         assert all(t.stride(1) == 1 for t in (*layout.tables, *layout.input_block_tables))
         # Fixed for the life of the tables: the plan keeps both alive; captured launches read them by address.
-        desc = torch.tensor(rows, dtype=torch.int64).to(layout.device)
+        self._desc_rows = torch.tensor(rows, dtype=torch.int64)
+        desc = self._desc_rows.to(layout.device)
         self.desc = Descriptors(desc, desc.data_ptr(), len(rows), False)
         slots = layout.slot_mappings
         if slots is None:  # tables without max_num_batched_tokens gather only: any int64 buffer stands in
@@ -63,19 +64,23 @@ class TritonPlan(GraphPlan):
         stage_rows = [
             [src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), src.shape[1], bs, kbs, k,
              nb.data_ptr() + 4 * g * nb.stride(0), slots.data_ptr() + 8 * g * slots.stride(0), slots.shape[1],
-             nb.shape[1], layout.cp_rank, self.desc.addr, 0, 0]
+             nb.shape[1], layout.cp_rank, self.desc.addr,
+             stage.FLAG_SLOTS.value * layout.slot_mapping_enabled[g] + stage.FLAG_SHARDED.value * layout.dcp_sharded[g],
+             layout.sliding_window_reach[g]]
             for g, (src, dst, bs, kbs, k) in enumerate(zip(layout.tables, layout.input_block_tables,
                                                            layout.block_sizes, layout.kernel_block_sizes,
                                                            layout.kernel_blocks_per_block))
         ]  # fmt: skip
         assert len(stage_rows[0]) == stage.STAGE_DESC_WORDS.value
-        self.sdesc = torch.tensor(stage_rows, dtype=torch.int64).to(layout.device)
+        self._stage_rows = torch.tensor(stage_rows, dtype=torch.int64)
+        self.sdesc = self._stage_rows.to(layout.device)
         self._sdesc_addr = self.sdesc.data_ptr()
         self.splits = max(1, -(-max(layout.widths) // stage.CHUNK.value))
         self._groups = layout.num_groups
         self._fallback = slots.data_ptr()  # an empty tensor's address, 0, would read as an int32 under the interpreter
         self._consts: dict[tuple, dict] = {}
         self._cp = (layout.cp_size, layout.cp_interleave)
+        self._window = any(layout.sliding_window_reach)  # (else num_computed_tokens changes nothing: not read)
         self.pdl = _pdl_capable(device)
         self.header_depth = 1 << max(1, (device.depth - 1).bit_length())
         self._consume_consts = {"DEPTH": self.header_depth, "NT": max(2, 1 << (len(rows) - 1).bit_length()),
@@ -83,6 +88,13 @@ class TritonPlan(GraphPlan):
         settle(layout.device)  # the descriptors are complete whatever stream launches next
 
     # -- the eager jobs ---------------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Write both descriptor tables again, in place (their addresses stay: captured launches read them there),
+        and wait for the copies on this stream."""
+        self.desc.tensor.copy_(self._desc_rows)
+        self.sdesc.copy_(self._stage_rows)
+        settle(self.layout.device)
+
     def apply(self) -> None:
         """One launch of the apply kernel on the arena's slot, in place (overlapping writes reordered into rounds)."""
         arena = self.arena
@@ -111,22 +123,24 @@ class TritonPlan(GraphPlan):
         """Launch the stage kernel for `step`, with the staged batch in `lease` when there is one."""
         if not (step.do_gather or step.do_slots):
             return
-        qsl, pos, pad = step.query_start_loc, step.positions, step.is_padding
+        qsl, pos, pad, nct = step.query_start_loc, step.positions, step.is_padding, step.num_computed_tokens
+        window = nct is not None and self._window
         # The variant: every constexpr of the launch (the device's launcher is shared by every plan on it, so the
         # layout's constexprs are part of the key: tables with other context parallelism compile their own).
         key = (step.idx_mapping.dtype, torch.int64 if qsl is None else qsl.dtype, torch.int64 if pos is None
                else pos.dtype, pad is not None, step.do_gather, step.do_slots, lease is not None, pdl,
-               *self._cp)  # fmt: skip
+               *self._cp, nct.dtype if window else torch.int32, window)  # fmt: skip
         consts = self._consts.get(key)
         if consts is None:
             consts = self._consts[key] = self._variant(key)
         G = self._groups
-        padded = step.num_reqs_padded
+        padded = step.num_rows  # (>= num_reqs_padded: rows a previous gather left are zeroed too)
         grid0 = G * (padded + 1) * self.splits
         f = self._fallback
         tail = (
             G, step.idx_mapping.data_ptr() or f, f if qsl is None else qsl.data_ptr() or f,
-            f if pos is None else pos.data_ptr() or f, f if pad is None else pad.data_ptr() or f, step.num_reqs, padded,
+            f if pos is None else pos.data_ptr() or f, f if pad is None else pad.data_ptr() or f,
+            nct.data_ptr() or f if window else f, step.num_reqs, padded,
             0 if pos is None else pos.shape[0], self.splits,
         )  # fmt: skip
         device = self.device
@@ -148,9 +162,10 @@ class TritonPlan(GraphPlan):
                          (w, v, rounds, tiles, tiles * splits, *tail), self.desc)  # fmt: skip
 
     def _variant(self, key: tuple) -> dict:
-        idx, qsl, pos, has_padding, do_gather, do_slots, has_writes, pdl, cp_size, cp_interleave = key
+        idx, qsl, pos, has_padding, do_gather, do_slots, has_writes, pdl, cp_size, cp_interleave, nct, window = key
         return {
             "IDX_DTYPE": TL_INDEX[idx], "QSL_DTYPE": TL_INDEX[qsl], "POS_DTYPE": TL_INDEX[pos],
+            "NCT_DTYPE": TL_INDEX[nct], "HAS_WINDOW": window,
             "CP_SIZE": cp_size, "CP_INTERLEAVE": cp_interleave, "HAS_PADDING": has_padding,
             "DO_GATHER": do_gather, "DO_SLOTS": do_slots, "HAS_WRITES": has_writes, "PDL": pdl,
         }  # fmt: skip

@@ -42,7 +42,8 @@ import torch
 
 from multiwrite.bench.model import DecoderStack, ModelShape, model_dtype
 from multiwrite.bench.paged_attention import DESCRIPTIONS, PagedAttention, PagedBatch, dense_attention
-from multiwrite.bench.stage import GRAPH_MODE_OFF_GPU, Anchor3, GraphMode, Ours, _check, _Inputs, _Runner, capture
+from multiwrite.bench.stage import GRAPH_MODE_OFF_GPU, _check
+from multiwrite.bench.stage_designs import Anchor3, Design, GraphMode, Ours, StepBuffers, VllmThreeCalls, capture
 from multiwrite.environment import synchronize
 from multiwrite.errors import BackendUnavailableError
 from multiwrite.reference import ReferenceBlockTables
@@ -52,23 +53,15 @@ from multiwrite.workload import CONFIGS, TOKEN_BUDGET, Trace, max_blocks_per_gro
 MODEL_CONFIG = "G1"
 #: Largest relative error (max |paged - dense| / max |dense| per entry) the attention check accepts, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-#: Why the vLLM design may be missing.
-VLLM_MISSING = "vllm-3-calls not run: multiwrite.vllm (vLLM 0.33's BlockTables signature) is not in this checkout"
 
 
-def _on_g1(design: type[_Runner]) -> type[_Runner]:
+def _on_g1(design: type[Design]) -> type[Design]:
     return type(f"Model{design.__name__}", (design,), {"config": MODEL_CONFIG})
 
 
-def designs(device: torch.device) -> tuple[list[type[_Runner]], list[str]]:
+def designs(device: torch.device) -> tuple[list[type[Design]], list[str]]:
     """The stage designs of the model bench on `device` (on G1 tables), and a line for each one left out."""
-    out, skipped = [_on_g1(Ours), _on_g1(GraphMode)], []
-    try:
-        from multiwrite.bench.vllm_design import VllmThreeCalls
-
-        out.append(_on_g1(VllmThreeCalls))
-    except ImportError:
-        skipped.append(VLLM_MISSING)
+    out, skipped = [_on_g1(Ours), _on_g1(GraphMode), _on_g1(VllmThreeCalls)], []
     if device.type == "cuda":
         out.append(_on_g1(Anchor3))
     else:
@@ -119,7 +112,7 @@ class ModelResult:
 class _Model:
     """The decoder stack on `ours`' persistent outputs, its padded step inputs, and its graph."""
 
-    def __init__(self, shape, ours: _Runner, c: int, pages: int, device, attention: PagedAttention):
+    def __init__(self, shape, ours: Design, c: int, pages: int, device, attention: PagedAttention):
         bs = CONFIGS[MODEL_CONFIG][1][0]
         dtype = model_dtype(device)
         self.device, self.c = device, c
@@ -228,7 +221,7 @@ def measure_model(
                     result.skipped.append(reason)
         model = _Model(shape, runners[0], c, num_pages(trace, c, steps), device, impl)
         ref = ReferenceBlockTables(bs, c, max_blocks_per_group(bs), kbs)
-        x = _Inputs(device, c, TOKEN_BUDGET)
+        x = StepBuffers(device, c, TOKEN_BUDGET)
         decode = [i for i, s in enumerate(schedule) if s.is_decode]
         measured = [i for i in decode if i >= warmup]
         stride = max(1, len(measured) // max(checks, 1))

@@ -263,6 +263,7 @@ class TablesPlan:
       every write stays staged.
     - `stage(step)`: the jobs `step` asks for (`do_gather`, `do_slots`), reading the tables as they are.
     - `prepare(step)`: `apply()` if anything is staged, then `stage(step)`: the whole step (one launch, if you can).
+    - `refresh()`: rewrite what the plan keeps on the device about addresses (descriptors); default: nothing.
 
     GPU plans enqueue on the current stream and never synchronize. The `BlockTables` checks every input, refuses
     calls during a CUDA graph capture (unless in graph mode), and calls one job at a time.
@@ -303,6 +304,10 @@ class TablesPlan:
         if self.arena.num_writes:
             self.apply()
         self.stage(step)
+
+    def refresh(self) -> None:
+        """Rewrite whatever this plan keeps on the device about the layout's addresses (`BlockTables.refresh_layout`:
+        the memory it lives in may have been discarded and restored); the default keeps nothing there."""
 
 
 class GraphPlan(TablesPlan):

@@ -21,6 +21,8 @@ from multiwrite.staging.layout import INT32_MAX, strict_index
 PAD_SLOT_ID = -1
 #: Most `slot_mappings` views kept (one per distinct `num_tokens_padded`).
 _VIEW_CACHE = 1024
+#: int32 cells per 128 bytes: where each table starts.
+_ALIGN = 32
 
 
 def _ints(what: str, seq: Any, low: int = 1) -> list[int]:
@@ -45,6 +47,16 @@ def _int(what: str, value: Any, low: int) -> int:
     return value
 
 
+def _flags(what: str, seq: Any, num_groups: int) -> list[bool]:
+    if seq is None:
+        return [True] * num_groups
+    if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence) or len(seq) != num_groups:
+        raise StagedWriteError(f"BlockTables: {what} must be {num_groups} bools, one per KV-cache group, got {seq!r}")
+    if not all(isinstance(x, (bool, np.bool_)) for x in seq):
+        raise StagedWriteError(f"BlockTables: {what} must be bools, got {seq!r}")
+    return [bool(x) for x in seq]
+
+
 class TablesLayout:
     """The memory and sizes of one `BlockTables` (`build` checks the arguments and allocates).
 
@@ -65,6 +77,11 @@ class TablesLayout:
             `max_num_batched_tokens`.
         outputs_storage: the int64 allocation `input_block_tables` (as int32) and `slot_mappings` are views of.
         max_num_batched_tokens, cp_size, cp_rank, cp_interleave: as given (context parallelism: 1, 0, 1 without).
+        slot_mapping_enabled: per group, whether its tokens get slots (False: its slot mappings are all PAD).
+        dcp_sharded: per group, whether context parallelism shards its KV cache (False: every rank stores every
+            token, mapped from the unsharded position).
+        sliding_window_reach: per group, the tokens before a request's first scheduled token that attention still
+            reads (0: no window); all 0 when `cp_size > 1` (vLLM 0.33 disables the cut there).
         columns: int64 `[max width]` (0, 1, ...), tokens: int64 `[max_num_batched_tokens]` or None: index ranges
             the torch stage reuses.
     """
@@ -81,6 +98,9 @@ class TablesLayout:
     cp_size: int
     cp_rank: int
     cp_interleave: int
+    slot_mapping_enabled: list[bool]
+    dcp_sharded: list[bool]
+    sliding_window_reach: list[int]
     storage: torch.Tensor
     tables: list[torch.Tensor]
     num_blocks: torch.Tensor
@@ -107,6 +127,9 @@ class TablesLayout:
         cp_size: int = 1,
         cp_rank: int = 0,
         cp_interleave: int = 1,
+        slot_mapping_enabled: Sequence[bool] | None = None,
+        dcp_sharded: Sequence[bool] | None = None,
+        sliding_window_reach: Sequence[int] | None = None,
     ) -> TablesLayout:
         """Check the sizes and allocate (zeroed; `slot_mappings` all `PAD_SLOT_ID`).
 
@@ -114,7 +137,7 @@ class TablesLayout:
             StagedWriteError: no group, list lengths that differ from the number of groups, a block size not a
                 multiple of its kernel block size, sizes that are not positive integers, a row width or row count of
                 2**31 or more, `cp_rank` outside `[0, cp_size)`, a block size `cp_interleave` does not divide
-                (with `cp_size > 1`).
+                (with `cp_size > 1`), per-group flags that are not bools or a negative reach.
         """
         self = cls()
         num_groups = len(block_sizes) if isinstance(block_sizes, Sequence) else -1
@@ -160,6 +183,16 @@ class TablesLayout:
                         f"BlockTables: group {g} block size {bs} is not a multiple of cp_interleave "
                         f"{self.cp_interleave} (context parallelism deals whole interleave chunks of a block)"
                     )
+        self.slot_mapping_enabled = _flags("slot_mapping_enabled", slot_mapping_enabled, num_groups)
+        self.dcp_sharded = _flags("dcp_sharded", dcp_sharded, num_groups)
+        reach = (
+            [0] * num_groups if sliding_window_reach is None else _ints("sliding_window_reach", sliding_window_reach, 0)
+        )
+        if len(reach) != num_groups:
+            raise StagedWriteError(
+                f"BlockTables: sliding_window_reach has {len(reach)} entries for {num_groups} KV-cache groups"
+            )
+        self.sliding_window_reach = [0] * num_groups if self.cp_size > 1 else reach
         self.max_num_batched_tokens = (
             None if max_num_batched_tokens is None else _int("max_num_batched_tokens", max_num_batched_tokens, 1)
         )
@@ -167,9 +200,13 @@ class TablesLayout:
         # `Tensor.get_device()` of a tensor on `device` (-1 on the host): one int compare per input on the hot path.
         self.device_index = -1 if device.type == "cpu" else (0 if device.index is None else device.index)
         widths = self.widths
-        offsets = np.cumsum([0, *(R * w for w in widths)]).tolist()
+        # Every table starts on a 128-byte boundary (a kernel may assume 16-byte aligned table addresses, as vLLM's
+        # `_load_ptr` does), so the cells between tables are padding.
+        offsets = [0]
+        for w in widths:
+            offsets.append(-(-(offsets[-1] + R * w) // _ALIGN) * _ALIGN)
         self.storage = torch.zeros(offsets[-1] + num_groups * R, dtype=torch.int32, device=device)
-        self.tables = [self.storage[offsets[g] : offsets[g + 1]].view(R, w) for g, w in enumerate(widths)]
+        self.tables = [self.storage[offsets[g] : offsets[g] + R * w].view(R, w) for g, w in enumerate(widths)]
         self.num_blocks = self.storage[offsets[-1] :].view(num_groups, R)
         self.counts_table = self.num_blocks.t()
         # The outputs: one int64 allocation, the gathered tables (int32) first, then the slot mappings.
@@ -177,7 +214,7 @@ class TablesLayout:
         half = (offsets[-1] + 1) // 2
         self.outputs_storage = torch.zeros(half + num_groups * T, dtype=torch.int64, device=device)
         gathered = self.outputs_storage[:half].view(torch.int32)
-        self.input_block_tables = [gathered[offsets[g] : offsets[g + 1]].view(R, w) for g, w in enumerate(widths)]
+        self.input_block_tables = [gathered[offsets[g] : offsets[g] + R * w].view(R, w) for g, w in enumerate(widths)]
         self.columns = torch.arange(max(widths), device=device)
         if self.max_num_batched_tokens is None:
             self.slot_mappings = self.tokens = None

@@ -1,7 +1,8 @@
 """`StepInputs`: one call's inputs to the gather and the slot mappings, checked once for every backend.
 
 Shapes, dtypes and counts are always checked. Values are checked only where the caller passed them on the host
-(reading values on a GPU would synchronize the host with it): a request row outside the tables, `query_start_loc`
+(reading values on a GPU would synchronize the host with it): a request row outside the tables (-1, a dummy
+request whose tokens get PAD and whose row is never read, is accepted), `query_start_loc`
 not starting at 0 or decreasing, a negative position, a position whose kernel block lies past its request's
 `num_blocks` (it would map a token to a stale block of the row's previous request). Values of device inputs are
 the caller's responsibility, as in vLLM; out-of-range ones give wrong slots, never an access outside the buffers
@@ -33,16 +34,19 @@ class StepInputs:
     """One call's step inputs, on the tables' device (what `TablesPlan.stage` and `prepare` receive).
 
     Attributes:
-        idx_mapping: int32/int64 `[num_reqs]`: the request row of each batch entry.
+        idx_mapping: int32/int64 `[num_reqs]`: the request row of each batch entry (-1: a dummy request).
         query_start_loc: int32/int64 `[>= num_reqs + 1]`: first token of each entry, then the end; or None.
         positions: int32/int64 `[n]`: each token's position in its sequence; or None.
         is_padding: bool `[>= num_tokens_padded]` or None.
+        num_computed_tokens: int32/int64 `[>= max_num_reqs]` per request row, or None: the sliding-window cut.
         num_reqs, num_reqs_padded, num_tokens_padded: ints.
+        num_rows: rows of `input_block_tables` the gather writes (`>= num_reqs_padded`: rows a previous gather left
+            past this one's are zeroed too).
         do_gather, do_slots: which of the two jobs the call asks for.
     """
 
-    __slots__ = ("idx_mapping", "query_start_loc", "positions", "is_padding", "num_reqs", "num_reqs_padded",
-                 "num_tokens_padded", "do_gather", "do_slots")  # fmt: skip
+    __slots__ = ("idx_mapping", "query_start_loc", "positions", "is_padding", "num_computed_tokens", "num_reqs",
+                 "num_reqs_padded", "num_rows", "num_tokens_padded", "do_gather", "do_slots")  # fmt: skip
 
     def __init__(
         self,
@@ -60,40 +64,62 @@ class StepInputs:
         )  # fmt: skip
         self.num_reqs = idx_mapping.shape[0]
         self.num_reqs_padded, self.num_tokens_padded = num_reqs_padded, num_tokens_padded
+        self.num_rows = num_reqs_padded
+        self.num_computed_tokens = None
         self.do_gather, self.do_slots = do_gather, do_slots
 
     @classmethod
     def on_device(
-        cls, layout: TablesLayout, idx: Any, num_reqs_padded: Any, qsl: Any, pos: Any, num_tokens_padded: Any, pad: Any
+        cls,
+        layout: TablesLayout,
+        idx: Any,
+        num_reqs_padded: Any,
+        qsl: Any,
+        pos: Any,
+        num_tokens_padded: Any,
+        pad: Any = None,
+        nct: Any = None,
     ) -> StepInputs | None:
-        """The inputs of a whole-stage call as an engine makes it on a GPU (contiguous 1-D device tensors of accepted
-        dtypes, counts in range), checked in as few attribute reads as possible; None for anything else, which
-        `check` then checks in full and names what is wrong."""
+        """The inputs of a call as an engine makes it on a GPU (contiguous 1-D device tensors of accepted dtypes,
+        counts in range; `num_reqs_padded` None: no gather, `num_tokens_padded` None: no slot mappings), checked in as
+        few attribute reads as possible; None for anything else, which `check` then checks in full and names what is
+        wrong."""
         index = layout.device_index  # (-1 for the host: this is the GPU case)
         if not (
-            index >= 0
-            and idx.__class__ is _T and qsl.__class__ is _T and pos.__class__ is _T
-            and num_reqs_padded.__class__ is int and num_tokens_padded.__class__ is int
-            and idx.get_device() == index and qsl.get_device() == index and pos.get_device() == index
-            and idx.dtype in INDEX_DTYPES and qsl.dtype in INDEX_DTYPES and pos.dtype in INDEX_DTYPES
-            and idx.stride() == _UNIT and qsl.stride() == _UNIT and pos.stride() == _UNIT  # 1-D, contiguous
-            and layout.max_num_batched_tokens is not None
+            index >= 0 and idx.__class__ is _T and idx.get_device() == index and idx.dtype in INDEX_DTYPES
+            and idx.stride() == _UNIT  # 1-D, contiguous
         ):  # fmt: skip
             return None
         n = idx.shape[0]
-        if not (n <= num_reqs_padded <= layout.max_num_reqs and qsl.shape[0] > n):
+        do_gather = num_reqs_padded is not None
+        if do_gather and not (num_reqs_padded.__class__ is int and n <= num_reqs_padded <= layout.max_num_reqs):
             return None
-        if not 0 <= num_tokens_padded <= layout.max_num_batched_tokens:
+        do_slots = num_tokens_padded is not None
+        if do_slots and not (
+            qsl.__class__ is _T and pos.__class__ is _T and num_tokens_padded.__class__ is int
+            and qsl.get_device() == index and pos.get_device() == index
+            and qsl.dtype in INDEX_DTYPES and pos.dtype in INDEX_DTYPES and qsl.stride() == _UNIT
+            and pos.stride() == _UNIT and qsl.shape[0] > n and layout.max_num_batched_tokens is not None
+            and 0 <= num_tokens_padded <= layout.max_num_batched_tokens
+        ):  # fmt: skip
             return None
         if pad is not None and not (
-            pad.__class__ is _T and pad.dtype is torch.bool and pad.get_device() == index and pad.stride() == _UNIT
-            and pad.shape[0] >= num_tokens_padded
+            do_slots and pad.__class__ is _T and pad.dtype is torch.bool and pad.get_device() == index
+            and pad.stride() == _UNIT and pad.shape[0] >= num_tokens_padded
+        ):  # fmt: skip
+            return None
+        if nct is not None and not (
+            nct.__class__ is _T and nct.get_device() == index and nct.dtype in INDEX_DTYPES and nct.stride() == _UNIT
+            and nct.shape[0] >= layout.max_num_reqs
         ):  # fmt: skip
             return None
         step = cls.__new__(cls)  # (the fields of `__init__`, set here: one call less on the hot path)
-        step.idx_mapping, step.query_start_loc, step.positions, step.is_padding = idx, qsl, pos, pad
-        step.num_reqs, step.num_reqs_padded, step.num_tokens_padded = n, num_reqs_padded, num_tokens_padded
-        step.do_gather = step.do_slots = True
+        step.idx_mapping, step.is_padding, step.num_computed_tokens = idx, pad, nct
+        step.query_start_loc, step.positions = (qsl, pos) if do_slots else (None, None)
+        step.num_reqs = n
+        step.num_reqs_padded = step.num_rows = num_reqs_padded if do_gather else n
+        step.num_tokens_padded = num_tokens_padded if do_slots else 0
+        step.do_gather, step.do_slots = do_gather, do_slots
         return step
 
     @classmethod
@@ -109,6 +135,7 @@ class StepInputs:
         is_padding: Any = None,
         host_counts: Callable[[], np.ndarray] | None = None,
         device_only: bool = False,
+        num_computed_tokens: Any = None,
     ) -> StepInputs:
         """Check one call's inputs (module docstring) and bring them to the tables' device.
 
@@ -119,6 +146,8 @@ class StepInputs:
                 slots are computed (read only for host inputs).
             device_only: refuse inputs that are not tensors on the tables' device (a call being captured in a CUDA
                 graph: a host->device copy would be captured, and replay the capture's buffer every time).
+            num_computed_tokens: int32/int64 `[>= max_num_reqs]`, per request row the position of its first token
+                scheduled this step (the gather's sliding-window cut), or None.
 
         Raises:
             StageInputError: naming the argument, the value or shape found and what is accepted.
@@ -127,35 +156,46 @@ class StepInputs:
         R = layout.max_num_reqs
         if device_only:
             _on_device(what, device, idx_mapping=idx_mapping, query_start_loc=query_start_loc, positions=positions,
-                       is_padding=is_padding)  # fmt: skip
+                       is_padding=is_padding, num_computed_tokens=num_computed_tokens)  # fmt: skip
         idx_t = _vector(f"{what}: idx_mapping", idx_mapping, INDEX_DTYPES, device)
         n = idx_t.shape[0]
         if n > R:
             raise StageInputError(f"{what}: idx_mapping has {n} batch entries, more than max_num_reqs={R}")
         idx = _host(idx_mapping, idx_t, device)
         if idx is not None and n:
-            bad = np.flatnonzero((idx < 0) | (idx >= R))
+            bad = np.flatnonzero((idx < -1) | (idx >= R))
             if bad.size:
                 b = int(bad[0])
                 raise StageInputError(
-                    f"{what}: idx_mapping[{b}]={int(idx[b])} is outside the tables' request rows [0, {R})"
+                    f"{what}: idx_mapping[{b}]={int(idx[b])} is outside the tables' request rows [0, {R}) "
+                    "(-1, a dummy request, is accepted)"
                 )
         padded = n
         if num_reqs_padded is not None:
-            padded = _count(f"{what}: num_reqs_padded", num_reqs_padded, R, "max_num_reqs")
+            padded = check_count(f"{what}: num_reqs_padded", num_reqs_padded, R, "max_num_reqs")
             if padded < n:
                 raise StageInputError(
                     f"{what}: num_reqs_padded={padded} is less than num_reqs={n} (idx_mapping's length)"
                 )
+        nct_t = None
+        if num_computed_tokens is not None:
+            nct_t = _vector(f"{what}: num_computed_tokens", num_computed_tokens, INDEX_DTYPES, device)
+            if nct_t.shape[0] < R:
+                raise StageInputError(
+                    f"{what}: num_computed_tokens has {nct_t.shape[0]} entries, needs one per request row "
+                    f"(max_num_reqs = {R})"
+                )
         if num_tokens_padded is None:
-            return cls(idx_t, None, None, None, padded, 0, num_reqs_padded is not None, False)
+            step = cls(idx_t, None, None, None, padded, 0, num_reqs_padded is not None, False)
+            step.num_computed_tokens = nct_t
+            return step
         T_max = layout.max_num_batched_tokens
         if T_max is None:
             raise StageInputError(
                 f"{what}: these BlockTables were built without max_num_batched_tokens, so they have no slot_mappings "
                 "buffer; pass max_num_batched_tokens= to the constructor"
             )
-        T = _count(f"{what}: num_tokens_padded", num_tokens_padded, T_max, "max_num_batched_tokens")
+        T = check_count(f"{what}: num_tokens_padded", num_tokens_padded, T_max, "max_num_batched_tokens")
         qsl_t = _vector(f"{what}: query_start_loc", query_start_loc, INDEX_DTYPES, device)
         if qsl_t.shape[0] < n + 1:
             raise StageInputError(f"{what}: query_start_loc has {qsl_t.shape[0]} entries, needs num_reqs + 1 = {n + 1}")
@@ -166,6 +206,7 @@ class StepInputs:
             if pad_t.shape[0] < T:
                 raise StageInputError(f"{what}: is_padding has {pad_t.shape[0]} entries, needs num_tokens_padded = {T}")
         step = cls(idx_t, qsl_t, pos_t, pad_t, padded, T, num_reqs_padded is not None, True)
+        step.num_computed_tokens = nct_t
         qsl = _host(query_start_loc, qsl_t, device)
         if qsl is not None:
             qsl = qsl[: n + 1].astype(np.int64)
@@ -203,7 +244,8 @@ class StepInputs:
         return layout.slots(self.num_tokens_padded) if view is None else view
 
 
-def _count(what: str, value: Any, high: int, high_name: str) -> int:
+def check_count(what: str, value: Any, high: int, high_name: str) -> int:
+    """`value` as an int in `[0, high]`, or `StageInputError` naming `what` (a bool or tensor is refused)."""
     if value.__class__ is int and 0 <= value <= high:
         return value
     if isinstance(value, (bool, torch.Tensor)):
@@ -277,11 +319,15 @@ def _check_positions(
         raise StageInputError(f"{what}: positions[{i}]={int(pos[i])} is negative")
     entry = np.searchsorted(qsl[1:], np.arange(pos.shape[0]), side="right")
     req = idx[np.minimum(entry, idx.shape[0] - 1)].astype(np.int64)
+    live &= req >= 0  # (a dummy request's tokens get PAD: nothing is read for them)
+    req = np.maximum(req, 0)
     C, ilv, rank = layout.cp_size, layout.cp_interleave, layout.cp_rank
     for g, (bs, kbs, k, width) in enumerate(
         zip(layout.block_sizes, layout.kernel_block_sizes, layout.kernel_blocks_per_block, layout.widths)
     ):
-        if C == 1:
+        if not layout.slot_mapping_enabled[g]:
+            continue
+        if C == 1 or not layout.dcp_sharded[g]:
             column, owned = pos // kbs, live
         else:  # the virtual block of `bs * C` tokens, `bs` of them on each rank, dealt in chunks of `ilv`
             within = pos % (bs * C)

@@ -9,11 +9,12 @@ import numpy as np
 import torch
 
 from multiwrite.capture import is_capturing, refuse_capture, setup_calls
-from multiwrite.errors import OWN_ERRORS, BackendUnavailableError, StagedWriteError
+from multiwrite.errors import OWN_ERRORS, BackendUnavailableError, StagedWriteError, StageInputError
 from multiwrite.plugins.backend import Backend, TablesPlan, backend_error, refuse_unsupported
 from multiwrite.plugins.dispatch import select_backend
-from multiwrite.stage.layout import TablesLayout
-from multiwrite.stage.step import StepInputs
+from multiwrite.stage.layout import PAD_SLOT_ID, TablesLayout
+from multiwrite.stage.step import StepInputs, check_count
+from multiwrite.stage.torch_stage import run_stage_torch
 from multiwrite.staging.arena import LayoutGuard, StagingArena
 from multiwrite.staging.block_ids import BlockIdStaging, PyBlockIdStaging
 from multiwrite.staging.layout import check_device
@@ -92,21 +93,25 @@ class BlockTables(BlockIdStaging):
         cp_rank: int = 0,
         cp_interleave: int = 1,
         cuda_graphs: bool = False,
+        slot_mapping_enabled: Sequence[bool] | None = None,
+        dcp_sharded: Sequence[bool] | None = None,
+        sliding_window_reach: Sequence[int] | None = None,
     ):
         device = check_device(device, "BlockTables")
         refuse_capture(device, "BlockTables(...)")  # (its setup synchronizes: never inside a capture of this thread)
+        groups = (slot_mapping_enabled, dcp_sharded, sliding_window_reach)
         with setup_calls(device):  # (a capture on another thread stays valid)
             self._build(block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, backend,
-                        max_num_batched_tokens, cp_size, cp_rank, cp_interleave, cuda_graphs)  # fmt: skip
+                        max_num_batched_tokens, cp_size, cp_rank, cp_interleave, cuda_graphs, groups)  # fmt: skip
 
     def _build(self, block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, backend,
-               max_num_batched_tokens, cp_size, cp_rank, cp_interleave, cuda_graphs) -> None:  # fmt: skip
+               max_num_batched_tokens, cp_size, cp_rank, cp_interleave, cuda_graphs, groups) -> None:  # fmt: skip
         self.backend = (
             refuse_unsupported(backend, device) if isinstance(backend, Backend) else select_backend(device, backend)
         )
         layout = self._layout = TablesLayout.build(
             block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, max_num_batched_tokens,
-            cp_size, cp_rank, cp_interleave,
+            cp_size, cp_rank, cp_interleave, *groups,
         )  # fmt: skip
         G, R = layout.num_groups, layout.max_num_reqs
         self.block_sizes, self.kernel_block_sizes = layout.block_sizes, layout.kernel_block_sizes
@@ -114,6 +119,9 @@ class BlockTables(BlockIdStaging):
         self.max_num_blocks_per_group, self.max_num_reqs = layout.max_num_blocks_per_group, R
         self.max_num_batched_tokens = layout.max_num_batched_tokens
         self.cp_size, self.cp_rank, self.cp_interleave = layout.cp_size, layout.cp_rank, layout.cp_interleave
+        self.slot_mapping_enabled, self.dcp_sharded = layout.slot_mapping_enabled, layout.dcp_sharded
+        self.sliding_window_reach = layout.sliding_window_reach
+        self._dirty_rows = 0  # rows of input_block_tables the last gather (or dummy) may have left non-zero
         self.num_blocks_device = layout.num_blocks
         self.input_block_tables = layout.input_block_tables
         self.slot_mappings = layout.slot_mappings
@@ -172,6 +180,11 @@ class BlockTables(BlockIdStaging):
     def num_groups(self) -> int:
         """Number of KV-cache groups (tables)."""
         return len(self.block_tables)
+
+    @property
+    def num_staged_writes(self) -> int:
+        """Writes staged and not yet applied (graph mode: not yet committed), the `num_blocks` rows included."""
+        return self._arena.num_writes
 
     @property
     def device(self) -> torch.device:
@@ -270,27 +283,44 @@ class BlockTables(BlockIdStaging):
         self._arena.clear()
 
     # -- the rest of the stage ------------------------------------------------------------------------------------
-    def gather_block_tables(self, idx_mapping: torch.Tensor, num_reqs_padded: int) -> tuple[torch.Tensor, ...]:
-        """Gather the scheduled requests' rows into batch order in `input_block_tables` (vLLM's semantics).
+    def gather_block_tables(
+        self,
+        idx_mapping: torch.Tensor,
+        num_reqs_padded: int,
+        out: Sequence[torch.Tensor] | None = None,
+        num_computed_tokens: torch.Tensor | None = None,
+        apply_staged: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """Gather the scheduled requests' rows into batch order in `input_block_tables` (vLLM 0.33's semantics).
 
         Batch entry `b < num_reqs` gets the first `num_blocks[g, idx_mapping[b]]` cells of row `idx_mapping[b]` of
-        each group's table (its other cells keep what they held); rows `num_reqs .. num_reqs_padded - 1` become
-        zero. Reads the tables as the last apply left them.
+        each group's table (its other cells keep what they held); an entry of -1 (a dummy request) gets a zero row;
+        rows `num_reqs ..` up to the larger of `num_reqs_padded` and the previous gather's (or dummy's) row count
+        become zero. With `num_computed_tokens`, a group with a `sliding_window_reach` gets 0 for every kernel block
+        wholly below the window of the request's first scheduled token. Reads the tables as the last apply left
+        them (`apply_staged`: applies the staged writes first, in the same launch).
 
         Args:
-            idx_mapping: int32/int64 `[num_reqs]`, the request row of each batch entry, on the tables' device or on
-                the host.
+            idx_mapping: int32/int64 `[num_reqs]`, the request row (or -1) of each batch entry, on the tables' device
+                or on the host.
             num_reqs_padded: `num_reqs <= num_reqs_padded <= max_num_reqs`.
+            out: per group an int32 `[>= num_reqs_padded, width_g]` tensor on the tables' device to gather into
+                instead (torch ops, several launches; nothing else is zeroed).
+            num_computed_tokens: int32/int64 `[>= max_num_reqs]` per request row (the first scheduled position).
+            apply_staged: exactly `apply_staged_writes()` first.
 
         Returns:
-            `input_block_tables[g][:num_reqs_padded]` per group: views at fixed addresses (the same objects for the
-            same size: read and write through them, do not `resize_` or `set_` them).
+            `input_block_tables[g][:num_reqs_padded]` per group (or `out[g][:num_reqs_padded]`): views at fixed
+            addresses (the same objects for the same size: read and write through them, do not `resize_` them).
 
         Raises:
             StageInputError: a wrong shape or dtype, a count above the tables, a row outside them (host inputs).
-            GraphCaptureError: during a CUDA graph capture without graph mode (graph mode records it instead).
+            GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
+                (otherwise a capture records the gather; its inputs must then be on the device).
         """
-        return self._stage("gather_block_tables", idx_mapping, num_reqs_padded).gathered(self._layout)
+        step = self._stage("gather_block_tables", apply_staged, out, None, idx_mapping, num_reqs_padded,
+                           num_computed_tokens=num_computed_tokens)  # fmt: skip
+        return step.gathered(self._layout) if out is None else tuple(t[: step.num_reqs_padded] for t in out)
 
     def compute_slot_mappings(
         self,
@@ -299,33 +329,88 @@ class BlockTables(BlockIdStaging):
         positions: torch.Tensor,
         num_tokens_padded: int,
         is_padding: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        apply_staged: bool = False,
     ) -> torch.Tensor:
         """The KV-cache slot of every scheduled token in every group: int64 `[num_groups, num_tokens_padded]`.
 
         Token `i` of batch entry `b` (`query_start_loc[b] <= i < query_start_loc[b + 1]`) at position
         `p = positions[i]` gets `table[g][idx_mapping[b], p // kbs] * kbs + p % kbs` (kernel block size `kbs`);
-        with context parallelism only the tokens this rank owns get a slot. Tokens past
-        `query_start_loc[num_reqs]`, padding tokens and `slot_mappings[:, num_tokens_padded:]` get -1.
+        with context parallelism only the tokens this rank owns get a slot (every token, in a group whose
+        `dcp_sharded` is False). Tokens of a dummy request (-1), padding tokens, every token of a group whose
+        `slot_mapping_enabled` is False, and the buffer from `query_start_loc[num_reqs]` to its end get -1.
+        Reads the tables as the last apply left them (`apply_staged`: applies the staged writes first, in the same
+        launch).
 
         Args:
-            idx_mapping: int32/int64 `[num_reqs]`, request rows.
+            idx_mapping: int32/int64 `[num_reqs]`, request rows (-1: a dummy request).
             query_start_loc: int32/int64 `[>= num_reqs + 1]`, from 0, non-decreasing, ending `<= num_tokens_padded`.
             positions: int32/int64 `[>= query_start_loc[num_reqs]]`, token positions (>= 0).
             num_tokens_padded: `<= max_num_batched_tokens`.
             is_padding: optional bool `[>= num_tokens_padded]`; true marks a token to skip.
+            out: int64 `[num_groups, >= num_tokens_padded]` on the tables' device to write instead (torch ops,
+                several launches), padded to its end.
+            apply_staged: exactly `apply_staged_writes()` first.
 
         Returns:
-            `slot_mappings[:, :num_tokens_padded]`, a view of the persistent buffer.
+            `slot_mappings[:, :num_tokens_padded]` (or `out[:, :num_tokens_padded]`), a view of the buffer.
 
         Raises:
             StageInputError: wrong shapes or dtypes, counts above the buffers, and for host inputs bad values (a
                 position past its request's blocks names token, request and group).
-            GraphCaptureError: during a CUDA graph capture without graph mode (graph mode records it instead).
+            GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
+                (otherwise a capture records the slot mappings; its inputs must then be on the device).
         """
-        step = self._stage(
-            "compute_slot_mappings", idx_mapping, None, query_start_loc, positions, num_tokens_padded, is_padding
+        step = self._stage("compute_slot_mappings", apply_staged, None, out, idx_mapping, None, query_start_loc,
+                           positions, num_tokens_padded, is_padding)  # fmt: skip
+        return step.slots(self._layout) if out is None else out[:, : step.num_tokens_padded]
+
+    def get_dummy_block_tables(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
+        """Zero `input_block_tables[g][:num_reqs]` (and the rows the last gather left past them) and return those
+        views (fixed addresses: what a CUDA graph of a dummy batch reads). The caller may write ids into them: the
+        next gather zeroes the rows it does not fill.
+
+        Raises:
+            StageInputError: `num_reqs` outside `[0, max_num_reqs]`.
+        """
+        n = check_count("get_dummy_block_tables: num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        for t in self._layout.input_block_tables:
+            t[: max(n, self._dirty_rows)].zero_()
+        self._dirty_rows = n
+        return self._layout.gathered(n)
+
+    def get_dummy_slot_mappings(self, num_tokens: int) -> torch.Tensor:
+        """Fill the whole `slot_mappings` buffer with PAD (-1) and return `slot_mappings[:, :num_tokens]` (a fixed
+        address).
+
+        Raises:
+            StageInputError: no slot_mappings buffer (built without `max_num_batched_tokens`), or `num_tokens` outside
+                `[0, max_num_batched_tokens]`.
+        """
+        layout = self._layout
+        if layout.slot_mappings is None:
+            raise StageInputError(
+                "get_dummy_slot_mappings: these BlockTables were built without max_num_batched_tokens, so they have no "
+                "slot_mappings buffer"
+            )
+        assert layout.max_num_batched_tokens is not None
+        n = check_count(
+            "get_dummy_slot_mappings: num_tokens", num_tokens, layout.max_num_batched_tokens, "max_num_batched_tokens"
         )
-        return step.slots(self._layout)
+        layout.slot_mappings.fill_(PAD_SLOT_ID)
+        return layout.slots(n)
+
+    def refresh_layout(self) -> None:
+        """Rewrite what the device holds about the tables' addresses (the backend's descriptors), e.g. after the
+        memory pool they were allocated from slept and woke and its contents were discarded. The tables' own
+        contents are the caller's (re-stage them).
+
+        Raises:
+            GraphCaptureError: during a CUDA graph capture.
+            BackendError: the backend failed to rewrite them.
+        """
+        refuse_capture(self.device, "BlockTables.refresh_layout")
+        self._run(self._plan.refresh)
 
     def prepare_inputs(
         self,
@@ -335,12 +420,14 @@ class BlockTables(BlockIdStaging):
         num_reqs_padded: int,
         num_tokens_padded: int,
         is_padding: torch.Tensor | None = None,
+        num_computed_tokens: torch.Tensor | None = None,
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Apply the staged writes, gather and compute the slot mappings in ONE backend call (one launch on the
         Triton backends, two for a row written in more than 8 overlap rounds; in graph mode, outside a capture, the
         consume launch and the stage launch): exactly `apply_staged_writes()`, `gather_block_tables(idx_mapping,
-        num_reqs_padded)`, `compute_slot_mappings(idx_mapping, query_start_loc, positions, num_tokens_padded,
-        is_padding)`. Inputs are checked first: a rejected call applies nothing and every staged write stays staged.
+        num_reqs_padded, num_computed_tokens=num_computed_tokens)`, `compute_slot_mappings(idx_mapping,
+        query_start_loc, positions, num_tokens_padded, is_padding)`. Inputs are checked first: a rejected call
+        applies nothing and every staged write stays staged.
 
         Graph mode: inside `torch.cuda.graph(...)` this records the consume launch and the stage launch; the inputs
         must then be tensors on the tables' device (their values are read at each replay). Outside a capture it
@@ -355,7 +442,9 @@ class BlockTables(BlockIdStaging):
         graph = self.graph
         if graph is not None:  # (eager, it applies what is staged first: host positions see the staged counts)
             step = self._step("prepare_inputs", idx_mapping, num_reqs_padded, query_start_loc, positions,
-                              num_tokens_padded, is_padding, staged=not is_capturing(self.device))  # fmt: skip
+                              num_tokens_padded, is_padding, staged=not is_capturing(self.device),
+                              num_computed_tokens=num_computed_tokens)  # fmt: skip
+            self._rows(step)
             self._run(lambda: graph.stage(step, consume=True))
             return step.gathered(self._layout), step.slots(self._layout)
         refuse_capture(self.device, "BlockTables.prepare_inputs")
@@ -365,9 +454,11 @@ class BlockTables(BlockIdStaging):
             self._outputs_guard.check()
         layout = self._layout
         step = StepInputs.on_device(
-            layout, idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded, is_padding
+            layout, idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded, is_padding,
+            num_computed_tokens,
         ) or self._step("prepare_inputs", idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded,
-                        is_padding, staged=True)  # fmt: skip
+                        is_padding, staged=True, num_computed_tokens=num_computed_tokens)  # fmt: skip
+        self._rows(step)
         try:
             self._plan.prepare(step)
         except Exception as exc:
@@ -379,24 +470,56 @@ class BlockTables(BlockIdStaging):
         )
 
     # -- what every job shares ------------------------------------------------------------------------------------
-    def _eager(self, what: str) -> None:
-        """An eager job: refused during a CUDA graph capture, and the tables must be as built."""
-        refuse_capture(self.device, f"BlockTables.{what}")
-        self._guard.check()
-        self._outputs_guard.check()
-
-    def _stage(self, what: str, *inputs) -> StepInputs:
-        """A gather or slot-mapping job (`what`, nothing applied): its `inputs` checked (`_step`), then staged by graph
-        mode (recorded during a capture, else run; no consume) or, eager, by the backend's plan."""
+    def _stage(self, what: str, apply_staged: bool, gather_outs, slots_out, *inputs, **named) -> StepInputs:
+        """A gather or slot-mapping job (`what`; with `apply_staged`, the apply first): its `inputs` checked
+        (`_step`), then staged by graph mode (recorded during a capture, else run) or by the backend's plan (eager,
+        or recorded by a capture: the plan's stage launches read everything by address)."""
         graph = self.graph
+        device = self.device
+        capturing = is_capturing(device)
         if graph is None:
-            self._eager(what)
-        step = self._step(what, *inputs)
-        if graph is not None:
+            if apply_staged and self._arena.num_writes:
+                refuse_capture(device, f"BlockTables.{what}(apply_staged=True)")
+            if self._storage._version != self._guard.version:
+                self._guard.check()
+            if self._outputs._version != self._outputs_guard.version:
+                self._outputs_guard.check()
+        layout = self._layout
+        step = None
+        if gather_outs is None and slots_out is None:
+            idx, padded, qsl, pos, tokens, pad = (*inputs, None, None, None, None)[:6]
+            step = StepInputs.on_device(layout, idx, padded, qsl, pos, tokens, pad, named.get("num_computed_tokens"))
+        if step is None:
+            step = self._step(what, *inputs, staged=apply_staged, device_only=capturing, **named)
+        if gather_outs is not None:
+            gather_outs = _outputs(layout, what, gather_outs, step)
+        if slots_out is not None:
+            slots_out = _slot_output(layout, what, slots_out, step)
+        if gather_outs is None and step.do_gather:
+            self._rows(step)
+        if gather_outs is not None or slots_out is not None:  # (the caller's outputs: the generic torch stage)
+            if apply_staged:
+                self.apply_staged_writes()
+            self._run(lambda: run_stage_torch(layout, step, gather_outs, slots_out))
+        elif graph is not None:
+            if apply_staged:
+                self.apply_staged_writes()
             self._run(lambda: graph.stage(step, consume=False))
+        elif apply_staged and self._arena.num_writes:
+            self._run(lambda: self._plan.prepare(step))
         else:
             self._run(lambda: self._plan.stage(step))
         return step
+
+    def _rows(self, step: StepInputs) -> None:
+        """Rows a gather into `input_block_tables` writes: up to the rows the last one left (zeroed), unless
+        captured (a replay writes the rows of its capture)."""
+        if is_capturing(self.device):
+            self._dirty_rows = max(self._dirty_rows, step.num_reqs)
+            return
+        if self._dirty_rows > step.num_rows:
+            step.num_rows = self._dirty_rows
+        self._dirty_rows = step.num_reqs
 
     def _run(self, job) -> None:
         """Run a backend job, its failure raised as `BackendError` naming backend and tables (writes stay staged)."""
@@ -414,15 +537,47 @@ class BlockTables(BlockIdStaging):
         return backend_error(self.backend, self.device, self._names, self._arena.num_writes, exc, left)
 
     def _step(self, what: str, idx_mapping, num_reqs_padded=None, query_start_loc=None, positions=None,
-              num_tokens_padded=None, is_padding=None, staged: bool = False) -> StepInputs:  # fmt: skip
+              num_tokens_padded=None, is_padding=None, staged: bool = False, device_only: bool | None = None,
+              num_computed_tokens=None) -> StepInputs:  # fmt: skip
         """The call's inputs, checked. Host positions are checked against the counts the tables will hold: as staged
-        (`staged`: the call applies first) or as last landed."""
+        (`staged`: the call applies first) or as last landed. `device_only` (default: graph mode capturing): refuse
+        host inputs (a capture would bake their copy)."""
         counts = (lambda: self.num_blocks) if staged else self._landed_counts
-        capturing = self.graph is not None and is_capturing(self.device)
+        if device_only is None:
+            device_only = self.graph is not None and is_capturing(self.device)
         return StepInputs.check(self._layout, what, idx_mapping, num_reqs_padded, query_start_loc, positions,
-                                num_tokens_padded, is_padding, counts, device_only=capturing)  # fmt: skip
+                                num_tokens_padded, is_padding, counts, device_only=device_only,
+                                num_computed_tokens=num_computed_tokens)  # fmt: skip
 
     def _landed_counts(self) -> np.ndarray:
         """Host `num_blocks` as of the last landed batch (rows changed since come from the saved counts)."""
         changed = self._stamps[self.num_groups] == self._arena.batch
         return np.where(changed[None, :], self._applied, self.num_blocks)
+
+
+def _outputs(layout: TablesLayout, what: str, outs, step: StepInputs) -> list[torch.Tensor]:
+    """The caller's gather outputs, checked: one int32 `[>= num_reqs_padded, width_g]` tensor per group on the
+    tables' device, rows contiguous."""
+    if isinstance(outs, torch.Tensor) or not isinstance(outs, Sequence) or len(outs) != layout.num_groups:
+        raise StageInputError(f"{what}: out must be a sequence of {layout.num_groups} tensors, one per KV-cache group")
+    for g, (t, w) in enumerate(zip(outs, layout.widths)):
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device == layout.device and t.dim() == 2
+                and t.shape[0] >= step.num_reqs_padded and t.shape[1] == w and t.stride(1) == 1):  # fmt: skip
+            found = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise StageInputError(
+                f"{what}: out[{g}] must be an int32 [>= {step.num_reqs_padded}, {w}] tensor with contiguous rows on "
+                f"{layout.device}, got {found}"
+            )
+    return list(outs)
+
+
+def _slot_output(layout: TablesLayout, what: str, out, step: StepInputs) -> torch.Tensor:
+    """The caller's slot-mapping output, checked: int64 `[num_groups, >= num_tokens_padded]` on the tables' device."""
+    G, T = layout.num_groups, step.num_tokens_padded
+    if not (isinstance(out, torch.Tensor) and out.dtype == torch.int64 and out.device == layout.device
+            and out.dim() == 2 and out.shape[0] == G and out.shape[1] >= T):  # fmt: skip
+        found = (
+            f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        )
+        raise StageInputError(f"{what}: out must be an int64 [{G}, >= {T}] tensor on {layout.device}, got {found}")
+    return out

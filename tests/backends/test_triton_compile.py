@@ -32,15 +32,17 @@ TARGETS = {
 PDL_TARGETS = ("sm_90",)  # programmatic dependent launch: NVIDIA compute capability 9.0 and newer
 DTYPES = ("int32", "int64", "float32")
 #: stage kernel variants: (name, IDX, QSL, POS dtypes, CP_SIZE, CP_INTERLEAVE, HAS_PADDING, DO_GATHER, DO_SLOTS,
-#: HAS_WRITES, PDL), as `TritonPlan` launches them (PDL: captured stage launches, never with the writes)
+#: HAS_WRITES, HAS_WINDOW, PDL), as `TritonPlan` launches them (PDL: captured stage launches, never with the writes;
+#: HAS_WINDOW: the sliding-window cut, `num_computed_tokens` int32)
 STAGE = [
-    ("both", "int32", "int64", "int64", 1, 1, False, True, True, False, False),
-    ("both-writes", "int32", "int32", "int64", 1, 1, False, True, True, True, False),
-    ("cp-padded-writes", "int64", "int64", "int32", 4, 2, True, True, True, True, False),
-    ("gather", "int64", "int64", "int64", 1, 1, False, True, False, False, False),
-    ("slots-cp", "int32", "int32", "int64", 2, 1, True, False, True, False, False),
-    ("both-pdl", "int32", "int64", "int64", 1, 1, False, True, True, False, True),
-    ("cp-padded-pdl", "int64", "int64", "int32", 4, 2, True, True, True, False, True),
+    ("both", "int32", "int64", "int64", 1, 1, False, True, True, False, False, False),
+    ("both-writes", "int32", "int32", "int64", 1, 1, False, True, True, True, False, False),
+    ("cp-padded-writes", "int64", "int64", "int32", 4, 2, True, True, True, True, False, False),
+    ("gather", "int64", "int64", "int64", 1, 1, False, True, False, False, False, False),
+    ("gather-window-writes", "int64", "int64", "int64", 1, 1, False, True, False, True, True, False),
+    ("slots-cp", "int32", "int32", "int64", 2, 1, True, False, True, False, False, False),
+    ("both-pdl", "int32", "int64", "int64", 1, 1, False, True, True, False, False, True),
+    ("cp-padded-pdl", "int64", "int64", "int32", 4, 2, True, True, True, False, False, True),
 ]
 #: consume kernel variants: (name, DEPTH, NT, LAUNCH_DEPENDENTS): three groups and the default ring, a deep ring of
 #: eight tables, and the variant whose captured stage launch is its programmatic dependent launch
@@ -98,12 +100,13 @@ def _constants(kernel: str, variant: str, target: str) -> tuple[dict, int]:
         bw, bl = (params.decode_block_w, params.decode_block_l) if decode else (params.block_w, params.block_l)
         return {"VALUE_DTYPE": getattr(tl, dtype), "BLOCK_W": bw, "BLOCK_L": bl}, params.num_warps
     if kernel == "stage":
-        ((_, idx, qsl, pos, cp, interleave, padding, gather, slots, writes, pdl),) = (
+        ((_, idx, qsl, pos, cp, interleave, padding, gather, slots, writes, window, pdl),) = (
             v for v in STAGE if v[0] == variant
         )
         return {"IDX_DTYPE": getattr(tl, idx), "QSL_DTYPE": getattr(tl, qsl), "POS_DTYPE": getattr(tl, pos),
-                "CP_SIZE": cp, "CP_INTERLEAVE": interleave, "HAS_PADDING": padding, "DO_GATHER": gather,
-                "DO_SLOTS": slots, "HAS_WRITES": writes, "PDL": pdl}, mod.NUM_WARPS  # fmt: skip
+                "CP_SIZE": cp, "CP_INTERLEAVE": interleave, "HAS_PADDING": padding, "NCT_DTYPE": tl.int32,
+                "HAS_WINDOW": window, "DO_GATHER": gather, "DO_SLOTS": slots, "HAS_WRITES": writes,
+                "PDL": pdl}, mod.NUM_WARPS  # fmt: skip
     _, depth, nt, dependents = next(v for v in CONSUME if v[0] == variant)
     return {"DEPTH": depth, "NT": nt, "LAUNCH_DEPENDENTS": dependents}, mod.NUM_WARPS
 

@@ -3,8 +3,9 @@ fused variant), run here through Triton's interpreter over trace steps and check
 equal the reference, and a wrong slot is reported.
 
 White-box: off a GPU the bench never runs the anchors (it says why and skips them), so this test drives the bench's
-own stage helpers directly, `multiwrite.bench.stage._Inputs` (the step's persistent input buffers) and `_check` (the
-comparison with the reference the bench applies to every design); there is no public face to them.
+own stage helpers directly, `multiwrite.bench.stage_designs.StepBuffers` (the step's persistent input buffers) and
+`multiwrite.bench.stage._check` (the comparison with the reference the bench applies to every design); there is no
+public face to them.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ def test_the_anchor_designs_equal_the_reference_and_a_wrong_slot_is_reported():
     if not {s.name: s.available for s in available_backends("cpu")}.get("triton-cuda"):
         pytest.skip("Triton's interpreter is not available (needs Triton and TRITON_INTERPRET=1)")
     from multiwrite.bench import stage as st
+    from multiwrite.bench import stage_designs as designs
 
     bs, kbs = st.CONFIGS[st.STAGE_CONFIG]
     cpu = torch.device("cpu")
-    runners = [v(cpu, "torch-cpu", 8, 8192) for v in (st.Anchor3, st.Anchor2, st.Ours)]
+    runners = [v(cpu, "torch-cpu", 8, 8192) for v in (designs.Anchor3, designs.Anchor2, designs.Ours)]
     ref = ReferenceBlockTables(bs, 8, max_blocks_per_group(bs), kbs)
-    x = st._Inputs(cpu, 8, 8192)
+    x = designs.StepBuffers(cpu, 8, 8192)
     decode = 0
     for step in replay_schedule(load_trace(), bs, 8, 12):
         x.load(step)

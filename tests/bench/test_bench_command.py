@@ -206,10 +206,11 @@ def test_the_stage_part_on_cpu_runs_and_verifies_ours_and_says_why_the_rest_did_
     out = capsys.readouterr().out
     stage = out[out.index("stage (--stage)") :]
     rows = {line.split()[1]: line.split() for line in stage.splitlines() if line.startswith("  40 ")}
-    assert set(rows) == {"ours", "ours-batched", "ours-3-calls"}
+    assert set(rows) == {"ours", "ours-batched", "ours-3-calls", "vllm-3-calls"}
     assert all(r[-1] == "yes" for r in rows.values())  # verified
     assert "anchor-3 and anchor-2 not run: their kernels are Triton kernels" in stage
     assert "graph-mode not run: it replays prepare_inputs captured in a CUDA graph" in stage
+    assert "vllm-0.33 not run: vLLM 0.33's kernels are Triton kernels" in stage
     assert "graph-mode goal (staging + commit_staged_writes <= 0.5 empty launch per decode step): not measured" in out
 
 

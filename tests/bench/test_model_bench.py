@@ -44,6 +44,7 @@ def test_the_tiny_preset_reports_tpot_shares_and_writes_csv_rows_and_a_plot(tmp_
         ("model", "model_eager_wall_us"),
         ("model", "model_eager_host_us"),
         ("model-ours", "model_stage_host_us"),
+        ("model-vllm-3-calls", "model_stage_host_us"),
     }
     assert all(r["concurrency"] == "40" and r["verified"] == "true" and r["n"] == "20" for r in rows)
     value = {(r["variant"], r["metric"]): float(r["median_us"]) for r in rows}
@@ -77,6 +78,7 @@ def test_one_wrong_slot_fails_the_model_check():
     failures = _measure(wrong_slot).failures()
     assert any(f.startswith("model step C=40: layer 0: entry 0") and "its K/V is not at slot" in f for f in failures)
     assert any(f.startswith("model stage ours C=40: slot_mappings[0, 0]") for f in failures)
+    assert not any("vllm-3-calls" in f for f in failures)  # only the design the model reads was tampered with
 
 
 def test_one_wrong_block_id_fails_the_model_check():
@@ -86,10 +88,12 @@ def test_one_wrong_block_id_fails_the_model_check():
     failures = _measure(wrong_block).failures()
     assert any(f.startswith("model step C=40: layer 0: entry 0") and "attention relative error" in f for f in failures)
     assert any(f.startswith("model stage ours C=40: group 0 gathered[0, 0]") for f in failures)
+    assert not any("vllm-3-calls" in f for f in failures)
 
 
 def test_an_unmodified_run_passes_the_same_checks():
     r = _measure(None)
+    assert [d["variant"] for d in r.rows] == ["ours", "vllm-3-calls"]  # graph mode: compiled-cpu has none
     assert r.failures() == [] and [s["steps"] for s in r.steps] == [11] and r.attention == "flex-paged (eager)"
 
 

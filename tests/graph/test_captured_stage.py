@@ -206,18 +206,41 @@ def test_clear_staged_writes_is_host_work_a_graph_mode_capture_allows():
     assert bt[0].tensor[0, :2].tolist() == [1, 0] and bt.num_blocks_device[:, 0].tolist() == [1, 2, 1]
 
 
-def test_capturing_the_stage_of_tables_without_graph_mode_is_refused_naming_the_flag():
+def test_capturing_an_apply_of_tables_without_graph_mode_is_refused_naming_the_flag():
+    """A capture cannot hold an eager apply (its staging memory would be replayed): `prepare_inputs` and a gather
+    or slot mapping with `apply_staged=True` are refused while writes are staged; nothing is recorded."""
     bt = BlockTables(BS, REQS, [4, 4, 4], CPU, KBS, backend="triton-cuda", max_num_batched_tokens=TOKENS)
     bt.append_block_ids(0, ([1], [2], [3]), True)
     idx, qsl, pos = torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0])
     calls = {
         "prepare_inputs": lambda: bt.prepare_inputs(idx, qsl, pos, 1, 1),
-        "gather_block_tables": lambda: bt.gather_block_tables(idx, 1),
-        "compute_slot_mappings": lambda: bt.compute_slot_mappings(idx, qsl, pos, 1),
-    }
+        r"gather_block_tables\(apply_staged=True\)": lambda: bt.gather_block_tables(idx, 1, apply_staged=True),
+        r"compute_slot_mappings\(apply_staged=True\)": lambda: bt.compute_slot_mappings(idx, qsl, pos, 1,
+                                                                                          apply_staged=True),
+    }  # fmt: skip
     with simulated_capture() as graph:
         for name, call in calls.items():
             with pytest.raises(GraphCaptureError, match=rf"^BlockTables\.{name} on cpu during CUDA graph capture.*"
                                r"BlockTables\(\.\.\., cuda_graphs=True\)"):  # fmt: skip
                 call()
     assert graph.launches == [] and [t.num_staged_writes for t in bt.block_tables] == [1, 1, 1]
+
+
+def test_a_gather_and_slot_mapping_captured_without_graph_mode_read_the_tables_at_each_replay():
+    """As vLLM 0.33's speculator does: `compute_slot_mappings` (and a gather) captured on tables without graph mode
+    record their launches; each replay reads the tables as the eager applies before it left them."""
+    bt = BlockTables(BS, REQS, [4, 4, 4], CPU, KBS, backend="triton-cuda", max_num_batched_tokens=TOKENS)
+    bt.append_block_ids(0, ([1], [2], [3]), True)
+    bt.apply_staged_writes()
+    idx, qsl, pos = torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([5])
+    with simulated_capture() as graph:
+        gathered = bt.gather_block_tables(idx, 2)
+        slots = bt.compute_slot_mappings(idx, qsl, pos, 2)
+    assert len(graph.launches) == 2 and slots.tolist() == [[-1] * 2] * 3  # recorded, not run
+    graph.replay()
+    # (group 1: manager block 2 is kernel blocks 4, 5 of 16 tokens)
+    assert [g[0, 0].item() for g in gathered] == [1, 4, 3] and slots[:, 0].tolist() == [21, 69, 29]
+    bt.append_block_ids(0, ([7], [8], [9]), True)
+    bt.apply_staged_writes()
+    graph.replay()
+    assert [g[0, 0].item() for g in gathered] == [7, 16, 9] and slots[:, 0].tolist() == [117, 261, 77]

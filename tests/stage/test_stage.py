@@ -224,7 +224,7 @@ BAD_INPUTS = [
     (dict(idx_mapping=vec([1, 2, 0, 1])), (G, S, P), "idx_mapping has 4 batch entries, more than max_num_reqs=3"),
     (dict(idx_mapping=vec([1, 3]), num_reqs_padded=2, query_start_loc=vec([0, 1, 2])), (G, S, P),
      r"idx_mapping\[1\]=3 is outside the tables' request rows \[0, 3\)"),
-    (dict(idx_mapping=vec([-1])), (G, S, P), r"idx_mapping\[0\]=-1 is outside"),
+    (dict(idx_mapping=vec([-2])), (G, S, P), r"idx_mapping\[0\]=-2 is outside"),
     (dict(num_reqs_padded=4), (G, P), r"num_reqs_padded=4 is outside \[0, max_num_reqs=3\]"),
     (dict(num_reqs_padded=0), (G, P), r"num_reqs_padded=0 is less than num_reqs=1 \(idx_mapping's length\)"),
     (dict(num_reqs_padded=1.0), (G, P), "num_reqs_padded must be an integer, got 1.0"),

@@ -334,17 +334,21 @@ def test_a_position_past_the_requests_blocks_is_refused_by_the_calls_that_do_not
 
 
 # -- steps whose writes touch what the same step gathers and maps -------------------------------------------------
-def check_step(bt: BlockTables, ref: ReferenceBlockTables, ref_inputs, s: dict, device) -> None:
-    """`bt.prepare_inputs` of step `s` equals the reference's apply, gather and slot mappings."""
+def check_step(bt: BlockTables, ref: ReferenceBlockTables, ref_inputs, s: dict, device, dirty: list[int]) -> None:
+    """`bt.prepare_inputs` of step `s` equals the reference's apply, gather and slot mappings; `dirty[0]`: the batch
+    size of the previous gather (its rows past this one's are zeroed too), updated."""
     gathered, slots = prepare(bt, s, inputs(s, device))
     ref.apply_staged_writes()
-    want = gather_block_tables_reference(ref.tables, ref.num_blocks, s["idx"], s["num_reqs_padded"], ref_inputs)
+    want = gather_block_tables_reference(ref.tables, ref.num_blocks, s["idx"], s["num_reqs_padded"], ref_inputs,
+                                         num_rows=dirty[0])  # fmt: skip
+    dirty[0] = len(s["idx"])
     want_slots = compute_slot_mappings_reference(ref.tables, bt.kernel_block_sizes, s["idx"], s["qsl"], s["positions"],
                                                  s["num_tokens_padded"], s["is_padding"], bt.cp_size, bt.cp_rank,
                                                  bt.cp_interleave)  # fmt: skip
     for g in range(bt.num_groups):
         np.testing.assert_array_equal(host(bt[g].tensor), ref.tables[g], err_msg=f"group {g} table")
         np.testing.assert_array_equal(host(gathered[g]), want[g], err_msg=f"group {g} gathered")
+        np.testing.assert_array_equal(host(bt.input_block_tables[g]), ref_inputs[g], err_msg=f"group {g} buffer")
     np.testing.assert_array_equal(host(slots), want_slots)
     np.testing.assert_array_equal(host(bt.num_blocks_device), ref.num_blocks)
 
@@ -363,6 +367,7 @@ def test_a_step_whose_writes_touch_its_own_batch(backend):
     bt = BlockTables(bs, 4, widths, backend.device, kbs, backend=backend.name, max_num_batched_tokens=8)
     ref = ReferenceBlockTables(bs, 4, widths, kbs)
     ref_inputs = [np.zeros(t.shape, dtype=np.int64) for t in ref.tables]
+    dirty = [0]
 
     def stage(*calls):
         for call in calls:
@@ -371,18 +376,18 @@ def test_a_step_whose_writes_touch_its_own_batch(backend):
 
     # rows 0 and 1 new; both in the batch, their tokens in the blocks this very step writes
     stage((0, ([1, 2, 3], [4]), True), (1, ([5], [6, 7]), True))
-    check_step(bt, ref, ref_inputs, decode_step([1, 0], [3, 7], 3, 4), backend.device)
+    check_step(bt, ref, ref_inputs, decode_step([1, 0], [3, 7], 3, 4), backend.device, dirty)
     # row 0: an append, an overwrite that shrinks it, an append (later wins, num_blocks too); row 2 written but not
     # scheduled; row 1 scheduled but not written
     stage((0, ([8], [9]), False), (2, ([10], [11]), True), (0, ([12], []), True), (0, ([13], [14]), False))
-    check_step(bt, ref, ref_inputs, decode_step([0, 1], [5, 2], 4, 3), backend.device)
+    check_step(bt, ref, ref_inputs, decode_step([0, 1], [5, 2], 4, 3), backend.device, dirty)
     # nothing staged; then an empty batch with padding rows while row 3 is written
-    check_step(bt, ref, ref_inputs, decode_step([2, 1, 0], [0, 1, 2], 4, 4), backend.device)
+    check_step(bt, ref, ref_inputs, decode_step([2, 1, 0], [0, 1, 2], 4, 4), backend.device, dirty)
     stage((3, ([15, 16], [17]), True))
-    check_step(bt, ref, ref_inputs, decode_step([], [], 2, 2), backend.device)
+    check_step(bt, ref, ref_inputs, decode_step([], [], 2, 2), backend.device, dirty)
     for i in range(10):
         stage((3, ([20 + i], [30 + i]), i % 3 == 0))
-    check_step(bt, ref, ref_inputs, decode_step([3, 0], [3, 1], 2, 2), backend.device)
+    check_step(bt, ref, ref_inputs, decode_step([3, 0], [3, 1], 2, 2), backend.device, dirty)
 
 
 @st.composite
@@ -419,10 +424,11 @@ def test_random_steps_that_write_the_rows_they_schedule(backend):
         bt = BlockTables([4, 8], rows, [4, 3], backend.device, [4, 4], backend=backend.name, max_num_batched_tokens=16)
         ref = ReferenceBlockTables([4, 8], rows, [4, 3], [4, 4])
         ref_inputs = [np.zeros(t.shape, dtype=np.int64) for t in ref.tables]
+        dirty = [0]
         for calls, s in steps:
             for call in calls:
                 bt.append_block_ids(*call)
                 ref.append_block_ids(*call)
-            check_step(bt, ref, ref_inputs, s, backend.device)
+            check_step(bt, ref, ref_inputs, s, backend.device, dirty)
 
     check()

@@ -30,9 +30,12 @@ from multiwrite.stage.layout import PAD_SLOT_ID
 
 #: int64 columns of one group's stage descriptor: the table (address, row stride), its gather output (address, row
 #: stride), the row width, block and kernel block sizes and k, the group's row of num_blocks, its row of
-#: slot_mappings, max_num_batched_tokens, max_num_reqs, cp_rank, and the apply descriptors' address.
+#: slot_mappings, max_num_batched_tokens, max_num_reqs, cp_rank, the apply descriptors' address, the group's flags
+#: (`FLAG_SLOTS`: its tokens get slots; `FLAG_SHARDED`: context parallelism shards it) and its sliding-window reach.
 (D_SRC, D_SRC_STRIDE, D_DST, D_DST_STRIDE, D_WIDTH, D_BLOCK, D_KERNEL_BLOCK, D_K, D_COUNTS, D_SLOTS, D_MAX_TOKENS,
- D_MAX_REQS, D_CP_RANK, D_WDESC) = (tl.constexpr(i) for i in range(14))  # fmt: skip
+ D_MAX_REQS, D_CP_RANK, D_WDESC, D_FLAGS, D_REACH) = (tl.constexpr(i) for i in range(16))  # fmt: skip
+FLAG_SLOTS: tl.constexpr = tl.constexpr(1)
+FLAG_SHARDED: tl.constexpr = tl.constexpr(2)
 STAGE_DESC_WORDS: tl.constexpr = tl.constexpr(16)
 PAD: tl.constexpr = tl.constexpr(PAD_SLOT_ID)
 #: Lanes of a stage program, cells of one gather split, writes per overlay scan tile.
@@ -53,7 +56,7 @@ NUM_WARPS = 4
 DO_NOT_SPECIALIZE = (
     "sdesc_addr", "meta_addr", "values_addr", "bounds_addr", "counter_addr", "done_addr", "token", "num_writes",
     "num_values", "num_rounds", "apply_tiles", "apply_programs", "num_groups", "idx_addr", "qsl_addr", "pos_addr",
-    "pad_addr", "num_reqs", "num_reqs_padded", "num_positions", "splits",
+    "pad_addr", "nct_addr", "num_reqs", "num_reqs_padded", "num_positions", "splits",
 )  # fmt: skip
 
 
@@ -72,22 +75,24 @@ def token_tile(t, end, lanes, pos_ptr, pad_ptr, max_tokens, num_positions, HAS_P
 
 
 @triton.jit
-def slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE: tl.constexpr, CP_INTERLEAVE: tl.constexpr):
+def slot_columns(pos, alive, width, block, kbs, k, cp_rank, sharded, CP_SIZE: tl.constexpr,
+                 CP_INTERLEAVE: tl.constexpr):  # fmt: skip
     """`(column, offset, owned)` of positions `pos`: the table column of each token's kernel block (clamped into the
     row), the token's offset in it, and whether this rank owns the token (context parallelism: manager-block
-    coordinates decide ownership and the rank-local offset, vllm-project/vllm PR #51031)."""
-    if CP_SIZE == 1:
-        column = pos // kbs
-        offset = pos % kbs
-        owned = alive
-    else:
+    coordinates decide ownership and the rank-local offset, vllm-project/vllm PR #51031; a group that is not
+    `sharded` is stored whole on every rank)."""
+    column = pos // kbs
+    offset = pos % kbs
+    owned = alive
+    if CP_SIZE > 1:
         virtual = block * CP_SIZE
         vblock = pos // virtual
         within = pos % virtual
         owned = alive & ((within // CP_INTERLEAVE) % CP_SIZE == cp_rank)
         local = (within // (CP_INTERLEAVE * CP_SIZE)) * CP_INTERLEAVE + within % CP_INTERLEAVE
-        column = vblock * k + local // kbs
-        offset = local % kbs
+        column = tl.where(sharded, vblock * k + local // kbs, pos // kbs)
+        offset = tl.where(sharded, local % kbs, pos % kbs)
+        owned = tl.where(sharded, owned, alive)
     return tl.minimum(tl.maximum(column, 0), width - 1), offset, owned
 
 
@@ -129,8 +134,9 @@ def stage_kernel_fn(
     qsl_addr: tl.int64,  # [>= num_reqs + 1] of QSL_DTYPE
     pos_addr: tl.int64,  # [num_positions] of POS_DTYPE
     pad_addr: tl.int64,  # uint8 [>= num_tokens_padded] (read only if HAS_PADDING)
+    nct_addr: tl.int64,  # [>= max_num_reqs] of NCT_DTYPE, per request row (read only if HAS_WINDOW)
     num_reqs: tl.int32,
-    num_reqs_padded: tl.int32,
+    num_reqs_padded: tl.int32,  # rows the gather writes (>= the padded batch: rows a previous gather left, zeroed)
     num_positions: tl.int32,  # entries of pos_addr
     splits: tl.int32,  # gather splits per row (programs of CHUNK cells)
     IDX_DTYPE: tl.constexpr,
@@ -139,6 +145,8 @@ def stage_kernel_fn(
     CP_SIZE: tl.constexpr,
     CP_INTERLEAVE: tl.constexpr,
     HAS_PADDING: tl.constexpr,
+    NCT_DTYPE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DO_GATHER: tl.constexpr,
     DO_SLOTS: tl.constexpr,
     HAS_WRITES: tl.constexpr,
@@ -198,7 +206,9 @@ def stage_kernel_fn(
             # Device inputs are not checked on the host: clamp what becomes an address, so that a bad value gives
             # wrong slots (as the torch stage does) but never touches memory outside the buffers.
             idx = idx_addr.to(tl.pointer_type(IDX_DTYPE))
-            req = tl.minimum(tl.maximum(tl.load(idx + b).to(tl.int64), 0), max_num_reqs - 1)
+            raw = tl.load(idx + b).to(tl.int64)
+            real = raw >= 0  # -1: a dummy request (PAD for its tokens, a zero gathered row, its row never read)
+            req = tl.minimum(tl.maximum(raw, 0), max_num_reqs - 1)
             src_row = src + req * src_stride
             dst_row = dst + b.to(tl.int64) * dst_stride
             if DO_SLOTS:
@@ -214,7 +224,14 @@ def stage_kernel_fn(
                 t_end = tl.where(s == 0, tl.load(qsl + b + 1).to(tl.int64), t_start)
                 tokens, inside, pos, alive = token_tile(t_start, t_end, lanes, pos_ptr, pad_ptr, max_tokens,
                                                         num_positions, HAS_PADDING)  # fmt: skip
-                column, offset, owned = slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE, CP_INTERLEAVE)
+                flags = tl.load(desc + D_FLAGS)
+                sharded = (flags & FLAG_SHARDED) != 0
+                mapped = real & ((flags & FLAG_SLOTS) != 0)  # (a group without slot mappings: PAD everywhere)
+                column, offset, owned = slot_columns(pos, alive, width, block, kbs, k, cp_rank, sharded, CP_SIZE,
+                                                     CP_INTERLEAVE)  # fmt: skip
+                # (`where`, not `&`: Triton 3.9's interpreter gives a scalar comparison its operand's dtype, and a
+                # scalar broadcast with `&` would make the mask that dtype, which its loads refuse)
+                owned = tl.where(mapped, owned, False)
             if PDL:
                 tl.extra.cuda.gdc_wait()  # the consume kernel's stores to the tables are visible from here on
             count = tl.load(tl.load(desc + D_COUNTS).to(tl.pointer_type(tl.int32)) + req)
@@ -258,7 +275,14 @@ def stage_kernel_fn(
                 seg_lo = tl.min(tl.where(seg_len > 0, seg_start, 2147483647), axis=0)
                 seg_hi = tl.max(tl.where(seg_len > 0, seg_start + seg_len, 0), axis=0)
             if DO_GATHER:
-                g_hi = tl.minimum(count.to(tl.int64), c_hi)
+                # A dummy entry gathers nothing: its part of the row becomes zero (below, as a padding row's).
+                g_hi = tl.where(real, tl.minimum(count.to(tl.int64), c_hi), 0)
+                below = 0  # cells before the sliding window of the request's first scheduled token: 0
+                if HAS_WINDOW:
+                    reach = tl.load(desc + D_REACH)
+                    kbs_w = tl.load(desc + D_KERNEL_BLOCK)
+                    nct = tl.load(nct_addr.to(tl.pointer_type(NCT_DTYPE)) + req).to(tl.int64)
+                    below = tl.where(reach > 0, tl.maximum(nct - reach, 0) // kbs_w, 0)
                 cols0 = c_lo + lanes
                 keep0 = cols0 < g_hi
                 v0 = head
@@ -266,6 +290,8 @@ def stage_kernel_fn(
                     if (c_lo < seg_hi) & (c_lo + BLOCK > seg_lo):
                         v0 = overlay(v0, cols0, keep0, seg_start, seg_len, seg_voff, values, values_all, preloaded,
                                      num_values, MAX_ROUNDS)  # fmt: skip
+                if HAS_WINDOW:
+                    v0 = tl.where(cols0 < below, 0, v0)
                 tl.store(dst_row + cols0, v0, mask=keep0)
                 for c in range(c_lo + BLOCK, g_hi, BLOCK):
                     cols = c + lanes
@@ -275,7 +301,13 @@ def stage_kernel_fn(
                         if (c < seg_hi) & (c + BLOCK > seg_lo):
                             v = overlay(v, cols, keep, seg_start, seg_len, seg_voff, values, values_all, preloaded,
                                         num_values, MAX_ROUNDS)  # fmt: skip
+                    if HAS_WINDOW:
+                        v = tl.where(cols < below, 0, v)
                     tl.store(dst_row + cols, v, mask=keep)
+                if not real:
+                    for c in range(c_lo, c_hi, BLOCK):
+                        cols = c + lanes
+                        tl.store(dst_row + cols, tl.zeros([BLOCK], dtype=tl.int32), mask=cols < c_hi)
             if DO_SLOTS:
                 ids = tl.load(src_row + column, mask=owned, other=0)
                 if HAS_WRITES:
@@ -286,8 +318,9 @@ def stage_kernel_fn(
                 for t0 in range(t_start + BLOCK, t_end, BLOCK):
                     tokens, inside, pos, alive = token_tile(t0, t_end, lanes, pos_ptr, pad_ptr, max_tokens,
                                                             num_positions, HAS_PADDING)  # fmt: skip
-                    column, offset, owned = slot_columns(pos, alive, width, block, kbs, k, cp_rank, CP_SIZE,
+                    column, offset, owned = slot_columns(pos, alive, width, block, kbs, k, cp_rank, sharded, CP_SIZE,
                                                          CP_INTERLEAVE)  # fmt: skip
+                    owned = tl.where(mapped, owned, False)
                     ids = tl.load(src_row + column, mask=owned, other=0)
                     if HAS_WRITES:
                         if seg_hi > seg_lo:
@@ -317,4 +350,4 @@ def noop_args(done_addr: int, counter_addr: int, token: int, scratch: int) -> tu
     """Arguments of a launch of one program that writes nothing and stores `token` into `done_addr`: the group's last
     stage program, with no slots to pad. `scratch`: the address of at least 32 zeroed int64 words."""
     return (scratch, scratch, scratch, scratch, counter_addr, done_addr, token, 0, 0, 1, 1, 0, 1, scratch, scratch,
-            scratch, scratch, 0, 0, 0, 1)  # fmt: skip
+            scratch, scratch, scratch, 0, 0, 0, 1)  # fmt: skip
