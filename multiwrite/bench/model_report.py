@@ -27,6 +27,7 @@ LEGEND = {
     "ours": "multiwrite prepare_inputs (staging + one launch)",
     "graph-mode": "multiwrite graph mode (staging + commit; the stage replays in a graph)",
     "vllm-3-calls": "multiwrite.vllm.BlockTables, vLLM's calls: append loop, apply, gather, slot mappings",
+    "vllm-0.33": "vLLM 0.33's own BlockTables (multiwrite.vllm.upstream: an installed vLLM or its files), same calls",
     "anchor-3": "our apply + vLLM-style gather and slot-mapping kernels (three launches)",
 }
 

@@ -43,7 +43,16 @@ import torch
 from multiwrite.bench.model import DecoderStack, ModelShape, model_dtype
 from multiwrite.bench.paged_attention import DESCRIPTIONS, PagedAttention, PagedBatch, dense_attention
 from multiwrite.bench.stage import GRAPH_MODE_OFF_GPU, _check
-from multiwrite.bench.stage_designs import Anchor3, Design, GraphMode, Ours, StepBuffers, VllmThreeCalls, capture
+from multiwrite.bench.stage_designs import (
+    Anchor3,
+    Design,
+    GraphMode,
+    Ours,
+    StepBuffers,
+    Vllm033,
+    VllmThreeCalls,
+    capture,
+)
 from multiwrite.environment import synchronize
 from multiwrite.errors import BackendUnavailableError
 from multiwrite.reference import ReferenceBlockTables
@@ -63,9 +72,12 @@ def designs(device: torch.device) -> tuple[list[type[Design]], list[str]]:
     """The stage designs of the model bench on `device` (on G1 tables), and a line for each one left out."""
     out, skipped = [_on_g1(Ours), _on_g1(GraphMode), _on_g1(VllmThreeCalls)], []
     if device.type == "cuda":
-        out.append(_on_g1(Anchor3))
+        out += [_on_g1(Vllm033), _on_g1(Anchor3)]  # (vllm-0.33 is skipped, with its reason, where vLLM is absent)
     else:
-        skipped.append("anchor-3 not run: its kernels are Triton kernels, which off a GPU would time the interpreter")
+        skipped.append(
+            "anchor-3 and vllm-0.33 not run: their kernels are Triton kernels, which off a GPU would time the "
+            "interpreter"
+        )
     return out, skipped
 
 

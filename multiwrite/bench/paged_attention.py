@@ -151,7 +151,10 @@ class PagedAttention:
         if self.impl == "flex-paged":
             from torch.nn.attention.flex_attention import flex_attention
 
-            self._flex = torch.compile(flex_attention, fullgraph=True) if self.compiled else flex_attention
+            # dynamic=False: each shape compiles a static kernel (a dynamic batch would leave the decoding kernel)
+            self._flex = (
+                torch.compile(flex_attention, fullgraph=True, dynamic=False) if self.compiled else flex_attention
+            )
 
     @property
     def name(self) -> str:
