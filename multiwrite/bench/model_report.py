@@ -81,10 +81,9 @@ def model_lines(result: ModelResult, format_table: Callable) -> list[str]:
           _us(s["eager_host_us"]), f"{s['eager_host_us'] / s['eager_wall_us']:.2f}", _us(s["graph_device_us"]),
           _us(s["replay_host_us"]), "no" if s["mismatch"] else "yes"] for s in result.steps],
     )  # fmt: skip
-    out.append(
-        "  eager host: the step's host time to the return of its last launch; host / wall near 1: the eager step is "
-        "host-bound (the device waits for the host)"
-    )
+    out.append(textwrap.fill(
+        "  eager host: the step's host time to the return of its last launch; on a GPU, host / wall near 1 means the "
+        "eager step is host-bound (the device waits for the host)", 110, subsequent_indent="    "))  # fmt: skip
     if any(not math.isfinite(s["graph_device_us"]) for s in result.steps):
         out.append("  graph device / replay host: not measured (no CUDA graphs off a GPU)")
     out += ["", "  the block-table stage in the step, per design (stage: host time per step, staging included)"]

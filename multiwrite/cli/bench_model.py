@@ -20,10 +20,11 @@ MODEL_HELP = (
     "also time a decode step of a model-shaped stack with random weights whose layers write K/V through the slot "
     "mappings and attend through the gathered block tables (FlexAttention), on G1 tables at each --concurrency, and "
     "the block-table stage of each design in the same run (prepare_inputs, graph mode, vLLM's call pattern through "
-    "multiwrite.vllm, the three-launch anchor on a GPU); reports each design's share of TPOT, eager (stage host "
-    "time + the step's eager wall time) and graph (stage host time + replay launch + the replay's device time, "
-    "synchronous scheduling), and whether the host work hides behind the previous step's device time under async "
-    "scheduling. The step leaves out embedding, rotary embeddings, final norm, LM head, sampling and collectives"
+    "multiwrite.vllm; on a GPU also on vLLM 0.33's own class where it loads, and the three-launch anchor); reports "
+    "each design's share of TPOT, eager (stage host time + the step's eager wall time) and graph (stage host time + "
+    "replay launch + the replay's device time, synchronous scheduling), and whether the host work would hide "
+    "behind the previous step's device time under async scheduling (computed from the medians). The step leaves "
+    "out embedding, rotary embeddings, final norm, LM head, sampling and collectives"
 )
 
 
@@ -51,8 +52,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "--attention",
         choices=ATTENTION_NAMES,
         default="auto",
-        help="attention of --model: flex-paged (FlexAttention with a BlockMask over the gathered tables; compiled "
-        "on a GPU; auto) or the sdpa-gathered fallback (pages gathered through the tables, then SDPA)",
+        help="attention of --model: flex-paged (auto: FlexAttention with a BlockMask over the gathered tables, "
+        "compiled; unfused for the tiny preset on a CPU) or the sdpa-gathered fallback (pages gathered through the "
+        "tables, then SDPA); if flex-paged fails at its warm-up the run falls back and says why",
     )
     p.add_argument(
         "--model-steps",
