@@ -269,7 +269,12 @@ def measure_model(
                     model.load(step.starts)
                     if not model.stack.recorded:  # the first decode step: warm up (compiles), then capture
                         result.attention, result.fallback = _warm_up(model, result)
-                        model.capture()
+                        try:
+                            model.capture()
+                        except Exception as exc:  # the graph figures are then not measured, and the report says why
+                            model.graph = None
+                            why = f"C={c}: the step could not be captured in a CUDA graph ({type(exc).__name__}: "
+                            result.skipped.append(why + f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
                         synchronize(device)
                     t0 = clock()
                     model.step(record=i in check_at)
