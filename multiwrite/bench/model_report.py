@@ -14,9 +14,12 @@ ASSUMPTIONS = (
     "TPOT = time per output token of one decode step (every request of the batch gets one token). eager TPOT = "
     "stage host time + the step's eager wall time (the host runs the stage, then the step); graph TPOT = stage "
     "host time + replay host time + the replay's device time (synchronous scheduling: the host runs the stage, "
-    "launches the replay, waits). share = stage host time / TPOT. async hides (computed from the medians, not "
-    "timed as a pipeline): the host work of a step (stage + replay launch) hides behind the previous step's "
-    "device time iff it is shorter; margin = device time - host work. Eager: the step's ops run one by one, "
+    "launches the replay, waits). share = stage host time / TPOT. hides (computed from the medians): the host "
+    "work of a step (stage + replay launch) hides behind the previous step's device time iff it is shorter; "
+    "margin = device time - host work. Async, measured (a GPU): each measured step, one design in turn runs its "
+    "stage right after a replay is launched; hidden: the share of those steps whose stage returned before the "
+    "replay could have ended; exposed: device time from the replay's end to the stage's end (the stage's own "
+    "kernels when hidden). Eager: the step's ops run one by one, "
     "FlexAttention compiled where the attention says so. "
     "Left out of the step: embedding, rotary embeddings, final norm, LM head, sampling, collectives, the "
     "scheduler and input preparation other than the block-table stage; the graph-mode design's captured stage "
@@ -88,13 +91,21 @@ def model_lines(result: ModelResult, format_table: Callable) -> list[str]:
         out.append("  graph device / replay host: not measured (no CUDA graphs off a GPU)")
     out += ["", "  the block-table stage in the step, per design (stage: host time per step, staging included)"]
     out += format_table(
-        ["C", "design", "launches", "stage (p99)", "eager TPOT", "share", "graph TPOT", "share", "async hides",
+        ["C", "design", "launches", "stage (p99)", "eager TPOT", "share", "graph TPOT", "share", "hides",
          "margin", "verified"],
         [[str(d["C"]), d["variant"], d["launches"], f"{d['stage_us']:.1f} ({d['stage_p99_us']:.1f})",
           _us(d["eager_tpot_us"]), _pct(d["eager_share"]), _us(d["graph_tpot_us"]), _pct(d["graph_share"]),
           "-" if d["hides"] is None else "yes" if d["hides"] else "no", _us(d["async_margin_us"]),
           "no" if d["mismatch"] else "yes"] for d in derived(result)],
     )  # fmt: skip
+    behind = [d for d in result.rows if d.get("behind_n")]
+    if behind:
+        out += ["", "  async scheduling, measured: the stage run right after the previous step's replay is launched"]
+        out += format_table(
+            ["C", "design", "steps", "stage host (device busy)", "hidden", "exposed"],
+            [[str(d["C"]), d["variant"], str(d["behind_n"]), _us(d["busy_host_us"]), _pct(d["hidden_frac"]),
+              _us(d["exposed_us"])] for d in behind],
+        )  # fmt: skip
     out += [textwrap.fill(f"{k}: {v}", 110, initial_indent="  ", subsequent_indent="    ") for k, v in LEGEND.items()]
     out += [f"  {s}" for s in result.skipped]
     out.append(textwrap.fill("assumptions: " + ASSUMPTIONS, 110, initial_indent="  ", subsequent_indent="    "))
@@ -104,7 +115,8 @@ def model_lines(result: ModelResult, format_table: Callable) -> list[str]:
 def model_csv_rows(result: ModelResult, base: dict[str, str]) -> list[dict[str, str]]:
     """`--csv` rows of the model part (config: the preset): per C `model_eager_wall_us`, `model_eager_host_us`,
     `model_graph_device_us`, `model_replay_host_us` (variant `model`); per (C, design) `model_stage_host_us`
-    (variant `model-<design>`). The shares and TPOTs follow from these (`derived`)."""
+    (variant `model-<design>`), and where the async pass ran `model_stage_busy_host_us` (its stage host time with
+    the device busy) and `model_stage_exposed_us`. The shares and TPOTs follow from these (`derived`)."""
     rows = []
 
     def row(variant: str, c: int, metric: str, median: float, p99: float, n: int, verified: bool) -> dict[str, str]:
@@ -119,6 +131,10 @@ def model_csv_rows(result: ModelResult, base: dict[str, str]) -> list[dict[str, 
     for d in result.rows:
         rows.append(row(f"model-{d['variant']}", d["C"], "model_stage_host_us", d["stage_us"], d["stage_p99_us"],
                         d["n"], not d["mismatch"]))  # fmt: skip
+        if d.get("behind_n"):
+            for metric, key in (("model_stage_busy_host_us", "busy_host_us"), ("model_stage_exposed_us", "exposed_us")):
+                rows.append(row(f"model-{d['variant']}", d["C"], metric, d[key], math.nan, d["behind_n"],
+                                not d["mismatch"]))  # fmt: skip
     return rows
 
 

@@ -18,7 +18,9 @@ Figures per design d, from medians over the measured steps (what a step leaves o
   stage, then launches the replay and waits;
 - share = stage host time / TPOT;
 - async scheduling (the host prepares step n + 1 while the device runs step n): the host work of a step, stage host
-  time(d) + replay host, hides iff it is below the graph device time; `margin` = device time - host work.
+  time(d) + replay host, hides iff it is below the graph device time; `margin` = device time - host work. Measured
+  too where there is a graph: each measured step, one design in turn runs its stage right after a replay is
+  launched (`_Model.stage_behind_replay`), instead of in the synchronous rotation.
 The graph-mode design's captured stage (its consume and stage kernels, a few us of device time: BENCHMARKS.md) is
 replayed in a graph of its own, not timed, and not added to the model's graph.
 
@@ -136,6 +138,7 @@ class _Model:
         self.x = torch.randn(c, shape.hidden, device=device, dtype=dtype)
         self.graph: Any = None  # a `torch.cuda.CUDAGraph` once captured
         self._events: tuple[Any, Any] | None = None
+        self._async_events: tuple[Any, ...] | None = None
 
     def load(self, positions: Sequence[int]) -> None:
         """The step's query positions (entries past the batch: -1), before the step runs."""
@@ -151,6 +154,42 @@ class _Model:
         """The step captured in a CUDA graph (a GPU; elsewhere no graph: `graph` stays None)."""
         if self.device.type == "cuda":
             self.graph = capture(self.device, self.step)
+
+    def stage_behind_replay(self, design: Design, calls: Any, x: StepBuffers) -> dict[str, float]:
+        """Async scheduling, measured: replay the graph (the previous decode step's model: its inputs are still in
+        place; rewriting its K/V is idempotent), then at once run `design`'s stage of this step (staging `calls` and
+        `run(x)`, timed; then `after(x)`, its untimed device work) while the device is busy, then synchronize.
+
+        Returns `hidden` (1.0 when the host had issued the stage before the device could have finished the replay:
+        host time from the replay call to the stage's return below the replay's device time), `exposed_us` (device
+        time from the replay's end to the stage's end: the stage's own kernels when hidden, more when the device
+        waited for the host; a GPU) and `busy_host_us` (the stage's host time with the device busy)."""
+        clock = time.perf_counter_ns
+        cuda = self.device.type == "cuda"
+        if cuda and self._async_events is None:
+            self._async_events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+        events = self._async_events if cuda else None
+        if events:
+            events[0].record()
+        t0 = clock()
+        self.graph.replay()
+        if events:
+            events[1].record()
+        t1 = clock()
+        design.stage(calls)
+        design.run(x)
+        t2 = clock()
+        design.after(x)
+        if events:
+            events[2].record()
+        synchronize(self.device)
+        t3 = clock()
+        if events:
+            device = events[0].elapsed_time(events[1]) * 1e3
+            exposed = events[1].elapsed_time(events[2]) * 1e3
+        else:  # (off a GPU the replay runs to its end before the stage: nothing overlaps)
+            device, exposed = (t1 - t0) / 1e3, (t3 - t1) / 1e3
+        return {"hidden": float((t2 - t0) / 1e3 < device), "exposed_us": exposed, "busy_host_us": (t2 - t1) / 1e3}
 
     def timed_replay(self) -> tuple[float, float]:
         """Replay the graph: (host time of the replay call, device time of the replay), us; the device time from
@@ -239,6 +278,7 @@ def measure_model(
         stride = max(1, len(measured) // max(checks, 1))
         check_at = set(measured[::stride][:checks]) | set(measured[-1:])
         stage_us: dict[str, list[float]] = {r.name: [] for r in runners}
+        overlap = {r.name: {"hidden": [], "exposed_us": [], "busy_host_us": []} for r in runners}
         mismatch = {r.name: "" for r in runners}
         t = {k: [] for k in ("eager_wall_us", "eager_host_us", "graph_device_us", "replay_host_us", "batch", "ctx")}
         model_mismatch = ""
@@ -250,8 +290,15 @@ def measure_model(
             for i, step in enumerate(schedule):
                 x.load(step)
                 synchronize(device)
+                # One design per measured step (in turn) runs its stage behind the previous step's graph replay.
+                behind = runners[i % len(runners)] if model.graph is not None and i in measured else None
                 for r in orders[i % len(orders)]:
                     calls = r.prepare(step.calls)
+                    if r is behind:
+                        a = model.stage_behind_replay(r, calls, x)
+                        for k, value in a.items():
+                            overlap[r.name][k].append(value)
+                        continue
                     t0 = clock()
                     r.stage(calls)
                     r.run(x)
@@ -303,11 +350,14 @@ def measure_model(
         pages = model.batch.num_pages
         result.steps.append({"C": c, "steps": len(t["batch"]), "mismatch": model_mismatch, "pages": pages, **med})
         for r in runners:
-            s = stage_us[r.name]
+            s, a = stage_us[r.name], overlap[r.name]
             result.rows.append({
                 "C": c, "variant": r.name, "launches": r.launches, "mismatch": mismatch[r.name],
                 "stage_us": float(np.median(s)) if s else math.nan,
                 "stage_p99_us": float(np.percentile(s, 99)) if s else math.nan, "n": len(s),
+                "behind_n": len(a["hidden"]), "hidden_frac": float(np.mean(a["hidden"])) if a["hidden"] else math.nan,
+                "exposed_us": float(np.median(a["exposed_us"])) if a["exposed_us"] else math.nan,
+                "busy_host_us": float(np.median(a["busy_host_us"])) if a["busy_host_us"] else math.nan,
             })  # fmt: skip
         del model, runners
         gc.collect()

@@ -22,8 +22,9 @@ MODEL_HELP = (
     "the block-table stage of each design in the same run (prepare_inputs, graph mode, vLLM's call pattern through "
     "multiwrite.vllm; on a GPU also on vLLM 0.33's own class where it loads, and the three-launch anchor); reports "
     "each design's share of TPOT, eager (stage host time + the step's eager wall time) and graph (stage host time + "
-    "replay launch + the replay's device time, synchronous scheduling), and whether the host work would hide "
-    "behind the previous step's device time under async scheduling (computed from the medians). The step leaves "
+    "replay launch + the replay's device time, synchronous scheduling), and whether the host work hides behind "
+    "the previous step's device time under async scheduling (computed from the medians, and on a GPU measured: "
+    "each step one design runs its stage right after a replay is launched). The step leaves "
     "out embedding, rotary embeddings, final norm, LM head, sampling and collectives"
 )
 

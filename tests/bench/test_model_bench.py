@@ -112,7 +112,13 @@ def test_with_a_stand_in_graph_the_graph_figures_shares_and_panels_appear(tmp_pa
     pytest.importorskip("matplotlib")
     from multiwrite.bench import model_step
 
-    monkeypatch.setattr(model_step._Model, "capture", lambda self: setattr(self, "graph", FakeGraph(self.step)))
+    graphs = []
+
+    def stand_in(self):
+        self.graph = FakeGraph(self.step)
+        graphs.append(self.graph)
+
+    monkeypatch.setattr(model_step._Model, "capture", stand_in)
     out_csv, out_png = tmp_path / "bench.csv", tmp_path / "bench.png"
     assert main([*ARGS, "--csv", str(out_csv), "--plot", str(out_png)]) == 0
     printed = capsys.readouterr().out
@@ -121,9 +127,18 @@ def test_with_a_stand_in_graph_the_graph_figures_shares_and_panels_appear(tmp_pa
     cells = table.split()
     assert cells[:3] == ["40", "ours", "1"] and cells[-1] == "yes" and cells[-3] in ("yes", "no")
     assert cells[8].endswith("%") and float(cells[8].rstrip("%")) > 0  # the graph share ("stage (p99)" is 2 cells)
+    # the async pass: one design per measured step after a replay (not the first: the graph is captured during it);
+    # off a GPU nothing overlaps
+    behind = printed[printed.index("async scheduling, measured") :].splitlines()[3:5]
+    assert [r.split()[:3] for r in behind] == [["40", "ours", "10"], ["40", "vllm-3-calls", "9"]]
+    assert all(r.split()[-2] == "0.00%" for r in behind)
+    assert graphs[0].replays == 20 + 19  # one timed replay per measured step, and one before each async stage
     with open(out_csv, newline="", encoding="utf-8") as f:
-        metrics = {r["metric"] for r in csv.DictReader(f) if r["config"] == "model-tiny"}
-    assert {"model_graph_device_us", "model_replay_host_us"} <= metrics
+        rows = [r for r in csv.DictReader(f) if r["config"] == "model-tiny"]
+    metrics = {r["metric"] for r in rows}
+    assert {"model_graph_device_us", "model_replay_host_us", "model_stage_exposed_us"} <= metrics
+    stage = {r["variant"]: r["n"] for r in rows if r["metric"] == "model_stage_host_us"}
+    assert stage == {"model-ours": "10", "model-vllm-3-calls": "11"}  # the other steps, synchronous
     assert (tmp_path / "bench-model.png").stat().st_size > 20_000  # two panels: eager and graph
 
 
