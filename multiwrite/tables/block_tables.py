@@ -114,6 +114,7 @@ class BlockTables(BlockIdStaging):
             cp_size, cp_rank, cp_interleave, *groups,
         )  # fmt: skip
         G, R = layout.num_groups, layout.max_num_reqs
+        self._device = device
         self.block_sizes, self.kernel_block_sizes = layout.block_sizes, layout.kernel_block_sizes
         self.kernel_blocks_per_block = layout.kernel_blocks_per_block
         self.max_num_blocks_per_group, self.max_num_reqs = layout.max_num_blocks_per_group, R
@@ -189,7 +190,7 @@ class BlockTables(BlockIdStaging):
     @property
     def device(self) -> torch.device:
         """Device of the tables."""
-        return self._layout.device
+        return self._device
 
     @property
     def cuda_graphs(self) -> bool:
@@ -447,7 +448,7 @@ class BlockTables(BlockIdStaging):
             self._rows(step)
             self._run(lambda: graph.stage(step, consume=True))
             return step.gathered(self._layout), step.slots(self._layout)
-        refuse_capture(self.device, "BlockTables.prepare_inputs")
+        refuse_capture(self._device, "BlockTables.prepare_inputs")
         if self._storage._version != self._guard.version:  # (one read when nothing was resized: the common case)
             self._guard.check()
         if self._outputs._version != self._outputs_guard.version:
@@ -473,9 +474,40 @@ class BlockTables(BlockIdStaging):
     def _stage(self, what: str, apply_staged: bool, gather_outs, slots_out, *inputs, **named) -> StepInputs:
         """A gather or slot-mapping job (`what`; with `apply_staged`, the apply first): its `inputs` checked
         (`_step`), then staged by graph mode (recorded during a capture, else run) or by the backend's plan (eager,
-        or recorded by a capture: the plan's stage launches read everything by address)."""
+        or recorded by a capture: the plan's stage launches read everything by address).
+
+        The fast path (`StepInputs.on_device`: an engine's device inputs, into our buffers, no graph mode) asks
+        whether a capture is under way only when the call would apply writes; a stage it records reads everything
+        by address, and the rows it zeroes (`num_rows`) only ever differ past the batch's padded rows."""
+        if self.graph is None and gather_outs is None and slots_out is None:
+            if self._storage._version != self._guard.version:
+                self._guard.check()
+            if self._outputs._version != self._outputs_guard.version:
+                self._outputs_guard.check()
+            writes = apply_staged and self._arena.num_writes
+            if not (writes and is_capturing(self._device)):
+                idx, padded, qsl, pos, tokens, pad = (*inputs, None, None, None, None)[:6]
+                step = StepInputs.on_device(self._layout, idx, padded, qsl, pos, tokens, pad,
+                                            named.get("num_computed_tokens"))  # fmt: skip
+                if step is not None:
+                    if step.do_gather:
+                        if self._dirty_rows > step.num_rows:
+                            step.num_rows = self._dirty_rows
+                        self._dirty_rows = step.num_reqs
+                    try:
+                        if writes:
+                            self._plan.prepare(step)
+                        else:
+                            self._plan.stage(step)
+                    except Exception as exc:
+                        raise self._failure(exc) from exc
+                    return step
+        return self._stage_checked(what, apply_staged, gather_outs, slots_out, *inputs, **named)
+
+    def _stage_checked(self, what: str, apply_staged: bool, gather_outs, slots_out, *inputs, **named) -> StepInputs:
+        """`_stage` for every other call: inputs checked in full (`_step`), host inputs copied to the device."""
         graph = self.graph
-        device = self.device
+        device = self._device
         capturing = is_capturing(device)
         if graph is None:
             if apply_staged and self._arena.num_writes:
@@ -485,12 +517,7 @@ class BlockTables(BlockIdStaging):
             if self._outputs._version != self._outputs_guard.version:
                 self._outputs_guard.check()
         layout = self._layout
-        step = None
-        if gather_outs is None and slots_out is None:
-            idx, padded, qsl, pos, tokens, pad = (*inputs, None, None, None, None)[:6]
-            step = StepInputs.on_device(layout, idx, padded, qsl, pos, tokens, pad, named.get("num_computed_tokens"))
-        if step is None:
-            step = self._step(what, *inputs, staged=apply_staged, device_only=capturing, **named)
+        step = self._step(what, *inputs, staged=apply_staged, device_only=capturing, **named)
         if gather_outs is not None:
             gather_outs = _outputs(layout, what, gather_outs, step)
         if slots_out is not None:

@@ -20,6 +20,10 @@ from multiwrite.errors import BlockTableWriteError, StagedWriteError
 from multiwrite.tables.block_tables import BlockTables as CoreBlockTables
 
 
+def _no_groups(req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
+    """`append_block_ids` of tables without KV-cache groups: nothing to stage."""
+
+
 class GroupTable:
     """One KV-cache group's persistent table as vLLM's `StagedWriteTensor` shows it.
 
@@ -123,11 +127,13 @@ class BlockTables:
                 cp_interleave=cp_interleave, cuda_graphs=cuda_graphs, slot_mapping_enabled=enabled,
                 dcp_sharded=sharded, sliding_window_reach=reach,
             )  # fmt: skip
+            self._append = self.core.append_block_ids  # (the core's staging: compiled C where built)
             self._tables = [GroupTable(t.tensor) for t in self.core.block_tables]
             self._counts = BlockCounts(self.core.num_blocks, self.core.num_blocks_device)
             self.input_block_tables = list(self.core.input_block_tables)
             self.slot_mappings = self.core.slot_mappings
         else:
+            self._append = _no_groups
             self._tables, self.input_block_tables = [], []
             empty = np.zeros((0, max_num_reqs), dtype=np.int32)
             self._counts = BlockCounts(empty, torch.zeros((0, max_num_reqs), dtype=torch.int32, device=self.device))
@@ -180,18 +186,15 @@ class BlockTables:
             BlockTableWriteError: a write past a row's capacity (naming request, group and capacity), a row outside
                 the tables, ids that are not integers; nothing of the call is staged, for any group.
         """
-        core = self.core
-        if core is None:
-            return
-        if self._due:
+        if self._due or self.redirect_writes_to_null_block or len(new_block_ids) != self.num_kv_cache_groups:
+            if self.core is None:
+                return
             self._flush()
-        G = self.num_kv_cache_groups
-        if len(new_block_ids) != G:
-            new_block_ids = new_block_ids[:G]
-        if self.redirect_writes_to_null_block:
-            new_block_ids = [[0] * len(ids) for ids in new_block_ids]
+            new_block_ids = new_block_ids[: self.num_kv_cache_groups]
+            if self.redirect_writes_to_null_block:
+                new_block_ids = [[0] * len(ids) for ids in new_block_ids]
         try:
-            core.append_block_ids(req_index, new_block_ids, overwrite)
+            self._append(req_index, new_block_ids, overwrite)
         except StagedWriteError as exc:
             raise BlockTableWriteError(f"append_block_ids for request {req_index}: {exc}") from None
 

@@ -95,8 +95,8 @@ def test_a_deferred_apply_lands_in_the_next_launch_and_anything_that_reads_the_t
     assert bt.num_blocks.gpu is bt.core.num_blocks_device
 
 
-def test_an_apply_at_once_without_deferral():
-    bt = BlockTables([4], 2, 8, [2], torch.device("cpu"), defer_apply=False)
+def test_an_apply_at_once_without_deferral(backend):
+    bt = BlockTables([4], 2, 8, [2], backend.device, backend=backend.name, defer_apply=False)
     bt.append_block_ids(0, ([1, 2],), True)
     bt.apply_staged_writes()
     assert bt.core.num_staged_writes == 0 and host(bt.core[0].tensor)[0].tolist() == [1, 2]
