@@ -79,9 +79,9 @@ Q_BUCKETS = (1, 16, 128, 2048)
 
 
 def run(size: Size, device: torch.device, attention: PagedAttention, trace: Trace, tamper=None, seed: int = 0):
-    """Run the loop; returns a `Result`. `tamper(step, gathered,
-    slots)`, if given, may change the step's gathered table (int32 `[C, width]`) and slot mappings (int64
-    `[tokens]`) in place before they are used (the tests plant a wrong slot and a wrong block id through it)."""
+    """Run the loop; returns a `Result`. `tamper(step, gathered, slots)`, if given, may change the step's gathered
+    table (int32 `[C, width]`) and slot mappings (int64 `[tokens]`) in place before they are used (the tests plant a
+    wrong slot and a wrong block id through it)."""
     C = size.concurrency
     trace = Trace(np.minimum(trace.prompt_tokens, size.max_prompt), np.minimum(trace.output_tokens, size.max_output),
                   trace.source)  # fmt: skip
