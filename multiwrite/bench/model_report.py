@@ -106,7 +106,9 @@ def model_lines(result: ModelResult, format_table: Callable) -> list[str]:
             [[str(d["C"]), d["variant"], str(d["behind_n"]), _us(d["busy_host_us"]), _pct(d["hidden_frac"]),
               _us(d["exposed_us"])] for d in behind],
         )  # fmt: skip
-    out += [textwrap.fill(f"{k}: {v}", 110, initial_indent="  ", subsequent_indent="    ") for k, v in LEGEND.items()]
+    ran = {d["variant"] for d in result.rows}
+    out += [textwrap.fill(f"{k}: {v}", 110, initial_indent="  ", subsequent_indent="    ")
+            for k, v in LEGEND.items() if k in ran]  # fmt: skip
     out += [f"  {s}" for s in result.skipped]
     out.append(textwrap.fill("assumptions: " + ASSUMPTIONS, 110, initial_indent="  ", subsequent_indent="    "))
     return out
