@@ -279,6 +279,7 @@ def measure_model(
         check_at = set(measured[::stride][:checks]) | set(measured[-1:])
         stage_us: dict[str, list[float]] = {r.name: [] for r in runners}
         overlap = {r.name: {"hidden": [], "exposed_us": [], "busy_host_us": []} for r in runners}
+        turns = 0  # async turns so far: the designs take them in order
         mismatch = {r.name: "" for r in runners}
         t = {k: [] for k in ("eager_wall_us", "eager_host_us", "graph_device_us", "replay_host_us", "batch", "ctx")}
         model_mismatch = ""
@@ -291,7 +292,8 @@ def measure_model(
                 x.load(step)
                 synchronize(device)
                 # One design per measured step (in turn) runs its stage behind the previous step's graph replay.
-                behind = runners[i % len(runners)] if model.graph is not None and i in measured else None
+                behind = runners[turns % len(runners)] if model.graph is not None and i in measured else None
+                turns += behind is not None
                 for r in orders[i % len(orders)]:
                     calls = r.prepare(step.calls)
                     if r is behind:
