@@ -44,7 +44,7 @@ import torch
 
 from multiwrite.bench.model import DecoderStack, ModelShape, model_dtype
 from multiwrite.bench.paged_attention import DESCRIPTIONS, PagedAttention, PagedBatch, dense_attention
-from multiwrite.bench.stage import GRAPH_MODE_OFF_GPU, _check
+from multiwrite.bench.stage import _check, build_designs
 from multiwrite.bench.stage_designs import (
     Anchor3,
     Design,
@@ -56,7 +56,6 @@ from multiwrite.bench.stage_designs import (
     capture,
 )
 from multiwrite.environment import synchronize
-from multiwrite.errors import BackendUnavailableError
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.workload import CONFIGS, TOKEN_BUDGET, Trace, max_blocks_per_group, replay_schedule
 
@@ -260,16 +259,7 @@ def measure_model(
     bs, kbs = CONFIGS[MODEL_CONFIG]
     for c in concurrency:
         schedule = list(replay_schedule(trace, bs, c, steps))
-        runners = []
-        for v in kinds:
-            try:
-                runners.append(v(device, backend, c, TOKEN_BUDGET))
-            except BackendUnavailableError as exc:
-                reason = f"{v.name} not run: {exc}"
-                if issubclass(v, GraphMode) and device.type != "cuda":
-                    reason = GRAPH_MODE_OFF_GPU.format(backend=runners[0].bt.backend.NAME)
-                if reason not in result.skipped:
-                    result.skipped.append(reason)
+        runners = build_designs(kinds, device, backend, c, result.skipped)
         model = _Model(shape, runners[0], c, num_pages(trace, c, steps), device, impl)
         ref = ReferenceBlockTables(bs, c, max_blocks_per_group(bs), kbs)
         x = StepBuffers(device, c, TOKEN_BUDGET)
