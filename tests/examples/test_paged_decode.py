@@ -4,9 +4,7 @@ the check fails when one slot or one gathered block id is wrong."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,17 +12,12 @@ import torch
 from multiwrite.bench.paged_attention import PagedAttention
 from multiwrite.plugins.dispatch import BACKEND_ENV
 from multiwrite.workload import load_trace
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "paged_decode.py"
+from tests.support import load_example
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("paged_decode", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["paged_decode"] = module
-    spec.loader.exec_module(module)
-    yield module
+    yield load_example("paged_decode", "paged_decode")
     del sys.modules["paged_decode"]
 
 

@@ -5,10 +5,7 @@ checks; a planted wrong slot or block id fails them, as on CPU."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import torch
 
@@ -16,17 +13,7 @@ from multiwrite.bench.model import PRESETS
 from multiwrite.bench.model_step import measure_model
 from multiwrite.bench.paged_attention import PagedAttention
 from multiwrite.workload import load_trace
-from tests.support import SMALL_TRACE
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "paged_decode.py"
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("paged_decode_gpu", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["paged_decode_gpu"] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.support import SMALL_TRACE, load_example
 
 
 def _measure(device, tamper=None):
@@ -56,7 +43,7 @@ def test_a_wrong_slot_and_a_wrong_block_id_fail_the_bench_on_the_gpu(device):
 
 
 def test_the_example_matches_dense_attention_with_flex_attention_compiled(device):
-    example = _example()
+    example = load_example("paged_decode", "paged_decode_gpu")
     size = dataclasses.replace(example.SIZES["tiny"], steps=12)
     attention = PagedAttention("flex-paged", compile=True)
     with torch.no_grad():
