@@ -319,6 +319,11 @@ class BlockTables(BlockIdStaging):
             GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
                 (otherwise a capture records the gather; its inputs must then be on the device).
         """
+        if out is None and self.graph is None:  # (the fast path of an engine's device inputs: `_fast_stage`)
+            step = self._fast_stage(apply_staged, idx_mapping, num_reqs_padded, None, None, None, None,
+                                    num_computed_tokens)  # fmt: skip
+            if step is not None:
+                return step.gathered(self._layout)
         step = self._stage("gather_block_tables", apply_staged, out, None, idx_mapping, num_reqs_padded,
                            num_computed_tokens=num_computed_tokens)  # fmt: skip
         return step.gathered(self._layout) if out is None else tuple(t[: step.num_reqs_padded] for t in out)
@@ -362,6 +367,11 @@ class BlockTables(BlockIdStaging):
             GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
                 (otherwise a capture records the slot mappings; its inputs must then be on the device).
         """
+        if out is None and self.graph is None:
+            step = self._fast_stage(apply_staged, idx_mapping, None, query_start_loc, positions, num_tokens_padded,
+                                    is_padding, None)  # fmt: skip
+            if step is not None:
+                return step.slots(self._layout)
         step = self._stage("compute_slot_mappings", apply_staged, None, out, idx_mapping, None, query_start_loc,
                            positions, num_tokens_padded, is_padding)  # fmt: skip
         return step.slots(self._layout) if out is None else out[:, : step.num_tokens_padded]
@@ -471,41 +481,41 @@ class BlockTables(BlockIdStaging):
         )
 
     # -- what every job shares ------------------------------------------------------------------------------------
+    def _fast_stage(self, apply_staged: bool, idx, padded, qsl, pos, tokens, pad, nct) -> StepInputs | None:
+        """A gather or slot mapping of tables without graph mode, into their own buffers, from an engine's device
+        inputs (`StepInputs.on_device`), straight to the plan; None (nothing done) for anything else, which
+        `_stage` then checks in full.
+
+        It asks whether a capture is under way only when the call would apply writes: a stage it records reads
+        everything by address, and the rows it zeroes (`num_rows`) only ever differ past the batch's padded rows."""
+        if self._storage._version != self._guard.version:
+            self._guard.check()
+        if self._outputs._version != self._outputs_guard.version:
+            self._outputs_guard.check()
+        writes = apply_staged and self._arena.num_writes
+        if writes and is_capturing(self._device):
+            return None
+        step = StepInputs.on_device(self._layout, idx, padded, qsl, pos, tokens, pad, nct)
+        if step is None:
+            return None
+        if step.do_gather:
+            if self._dirty_rows > step.num_rows:
+                step.num_rows = self._dirty_rows
+            self._dirty_rows = step.num_reqs
+        try:
+            if writes:
+                self._plan.prepare(step)
+            else:
+                self._plan.stage(step)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        return step
+
     def _stage(self, what: str, apply_staged: bool, gather_outs, slots_out, *inputs, **named) -> StepInputs:
-        """A gather or slot-mapping job (`what`; with `apply_staged`, the apply first): its `inputs` checked
-        (`_step`), then staged by graph mode (recorded during a capture, else run) or by the backend's plan (eager,
-        or recorded by a capture: the plan's stage launches read everything by address).
-
-        The fast path (`StepInputs.on_device`: an engine's device inputs, into our buffers, no graph mode) asks
-        whether a capture is under way only when the call would apply writes; a stage it records reads everything
-        by address, and the rows it zeroes (`num_rows`) only ever differ past the batch's padded rows."""
-        if self.graph is None and gather_outs is None and slots_out is None:
-            if self._storage._version != self._guard.version:
-                self._guard.check()
-            if self._outputs._version != self._outputs_guard.version:
-                self._outputs_guard.check()
-            writes = apply_staged and self._arena.num_writes
-            if not (writes and is_capturing(self._device)):
-                idx, padded, qsl, pos, tokens, pad = (*inputs, None, None, None, None)[:6]
-                step = StepInputs.on_device(self._layout, idx, padded, qsl, pos, tokens, pad,
-                                            named.get("num_computed_tokens"))  # fmt: skip
-                if step is not None:
-                    if step.do_gather:
-                        if self._dirty_rows > step.num_rows:
-                            step.num_rows = self._dirty_rows
-                        self._dirty_rows = step.num_reqs
-                    try:
-                        if writes:
-                            self._plan.prepare(step)
-                        else:
-                            self._plan.stage(step)
-                    except Exception as exc:
-                        raise self._failure(exc) from exc
-                    return step
-        return self._stage_checked(what, apply_staged, gather_outs, slots_out, *inputs, **named)
-
-    def _stage_checked(self, what: str, apply_staged: bool, gather_outs, slots_out, *inputs, **named) -> StepInputs:
-        """`_stage` for every other call: inputs checked in full (`_step`), host inputs copied to the device."""
+        """A gather or slot-mapping job (`what`; with `apply_staged`, the apply first) that `_fast_stage` did not
+        take: its `inputs` checked in full (`_step`), host inputs copied to the device, then staged by graph mode
+        (recorded during a capture, else run), into the caller's outputs by the torch stage, or by the backend's
+        plan (eager, or recorded by a capture: the plan's stage launches read everything by address)."""
         graph = self.graph
         device = self._device
         capturing = is_capturing(device)
