@@ -6,6 +6,7 @@ Nothing here reads a private attribute of a multiwrite object.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -528,3 +530,18 @@ def skip_off_interpreter(items: list, selected: Callable[[Path], bool], reason: 
     for item in items:
         if selected(Path(str(item.path)).resolve()):
             item.add_marker(skip)
+
+
+# -- examples, gpu: the example scripts as modules -----------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str, module_name: str) -> ModuleType:
+    """`examples/<name>.py` imported as the module `module_name` (registered in `sys.modules`, as dataclasses need)."""
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -151,6 +151,10 @@ def terminal_report(result: BenchResult) -> str:
         from multiwrite.bench.stage import stage_lines
 
         out += stage_lines(result.stage, result.gpu, format_table)
+    if result.model is not None:
+        from multiwrite.bench.model_report import model_lines
+
+        out += model_lines(result.model, format_table)
     failures = result.failures()
     out.append("")
     if failures:
@@ -159,6 +163,7 @@ def terminal_report(result: BenchResult) -> str:
         n = sum(1 for c in result.configs for v in c.variants.values() if v.verified)
         n += len(result.launch.same_loop) if result.launch is not None else 0
         n += len(result.stage.rows) if result.stage is not None else 0
+        n += len(result.model.rows) + len(result.model.steps) if result.model is not None else 0
         out.append(f"verification: OK, all {n} variant runs" + (" and the burst" if b else "") + " equal the reference")
     head = "goals (BENCHMARKS.md)"
     if result.quick and not result.interpreted:
@@ -295,6 +300,10 @@ def csv_rows(result: BenchResult) -> list[dict[str, str]]:
         from multiwrite.bench.stage import stage_csv_rows
 
         rows += stage_csv_rows(result.stage, base)
+    if result.model is not None:
+        from multiwrite.bench.model_report import model_csv_rows
+
+        rows += model_csv_rows(result.model, base)
     return rows
 
 

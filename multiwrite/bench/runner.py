@@ -354,6 +354,7 @@ class BenchResult:
     quick: bool = False
     launch: Any = None  # a `bench.launch.LaunchResult` with --launch
     stage: Any = None  # a `bench.stage.StageResult` with --stage
+    model: Any = None  # a `bench.model_step.ModelResult` with --model
 
     @property
     def gpu(self) -> bool:
@@ -377,6 +378,8 @@ class BenchResult:
             out += self.launch.failures()
         if self.stage is not None:
             out += self.stage.failures()
+        if self.model is not None:
+            out += self.model.failures()
         return out
 
 

@@ -129,6 +129,24 @@ def _check(runner: Design, x: StepBuffers, ref: ReferenceBlockTables) -> str:
     return ""
 
 
+def build_designs(
+    variants: Sequence[type[Design]], device: torch.device, backend: str | None, concurrency: int, skipped: list[str]
+) -> list[Design]:
+    """The designs of `variants` that can run at C = `concurrency`; for each one that cannot (e.g. graph mode on a
+    backend without one) a line saying why is appended to `skipped` (once)."""
+    runners: list[Design] = []
+    for v in variants:
+        try:
+            runners.append(v(device, backend, concurrency, TOKEN_BUDGET))
+        except BackendUnavailableError as exc:
+            reason = f"{v.name} not run: {exc}"
+            if issubclass(v, GraphMode) and device.type != "cuda":
+                reason = GRAPH_MODE_OFF_GPU.format(backend=runners[0].bt.backend.NAME if runners else backend)
+            if reason not in skipped:
+                skipped.append(reason)
+    return runners
+
+
 def measure_stage(
     trace: Trace,
     device: torch.device,
@@ -152,16 +170,7 @@ def measure_stage(
     bs, kbs = CONFIGS[STAGE_CONFIG]
     for c in concurrency:
         schedule = list(replay_schedule(trace, bs, c, steps))
-        runners = []
-        for v in variants:
-            try:
-                runners.append(v(device, backend, c, TOKEN_BUDGET))
-            except BackendUnavailableError as exc:  # e.g. graph mode on a backend without one
-                reason = f"{v.name} not run: {exc}"
-                if issubclass(v, GraphMode) and device.type != "cuda":
-                    reason = GRAPH_MODE_OFF_GPU.format(backend=runners[0].bt.backend.NAME if runners else backend)
-                if reason not in result.skipped:
-                    result.skipped.append(reason)
+        runners = build_designs(variants, device, backend, c, result.skipped)
         refs = {tuple(k): ReferenceBlockTables(bs, c, max_blocks_per_group(bs), k)
                 for k in {tuple(r.kernel_block_sizes) for r in runners} | {tuple(kbs)}}  # fmt: skip
         x = StepBuffers(device, c, TOKEN_BUDGET)

@@ -46,9 +46,10 @@ class StepBuffers:
 class Design:
     name = ""
     launches = ""
+    config = STAGE_CONFIG  # the tables' configuration (`bench.model_step` runs the designs on G1)
 
     def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        bs, kbs = CONFIGS[STAGE_CONFIG]
+        bs, kbs = CONFIGS[self.config]
         self.bt = BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
                               max_num_batched_tokens=max_tokens)  # fmt: skip
         self._append = self.bt.append_block_ids
@@ -95,7 +96,7 @@ class VllmDesign(Design):
     launches = "2"
 
     def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        bs, _ = CONFIGS[STAGE_CONFIG]
+        bs, _ = CONFIGS[self.config]
         self.vbt = self.make(bs, concurrency, max_tokens, max_blocks_per_group(bs), device, backend)
         self._append = self.vbt.append_block_ids
 
@@ -114,7 +115,7 @@ class VllmDesign(Design):
 
     @property
     def kernel_block_sizes(self) -> list[int]:
-        return list(CONFIGS[STAGE_CONFIG][0])
+        return list(CONFIGS[self.config][0])
 
 
 class VllmThreeCalls(VllmDesign):
@@ -246,7 +247,7 @@ class GraphMode(Design):
     name, launches = "graph-mode", "0 (replay)"
 
     def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        bs, kbs = CONFIGS[STAGE_CONFIG]
+        bs, kbs = CONFIGS[self.config]
         self.bt = BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
                               max_num_batched_tokens=max_tokens, cuda_graphs=True)  # fmt: skip
         self._append = self.bt.append_block_ids

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from multiwrite.bench.runner import BenchResult
+    from multiwrite.cli.bench_model import ModelOptions
 
 
 @dataclass
@@ -110,6 +111,9 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="also time the Triton launch itself (triton-cuda): each launch path next to an empty launch in the "
         "same loop, a tight loop of a captured decode apply, and device times behind a sleep (GPU)",
     )
+    from multiwrite.cli.bench_model import add_model_options
+
+    add_model_options(p)
     p.add_argument(
         "--stage",
         action="store_true",
@@ -150,6 +154,7 @@ def run_bench(
     progress: bool,
     launch: bool = False,
     stage: bool = False,
+    model: ModelOptions | None = None,
 ) -> BenchResult:
     """Measure every configuration and concurrency of `opts`, then the burst, on `device`.
 
@@ -171,6 +176,7 @@ def run_bench(
     total = len(opts.configs) * len(opts.concurrency) * opts.steps * passes + opts.burst_reps
     total += 2 * len(opts.concurrency) * opts.steps if launch else 0
     total += len(opts.concurrency) * opts.steps if stage else 0
+    total += len(opts.concurrency) * model.steps if model else 0
     result = BenchResult(
         timestamp, environment(device), backend_name, f"{trace.source} ({len(trace)} requests)", opts.steps, opts.warmup
     )
@@ -200,6 +206,10 @@ def run_bench(
             result.stage = measure_stage(
                 trace, device, backend, opts.steps, opts.warmup, opts.concurrency, empty, floor, tick
             )
+        if model is not None:
+            from multiwrite.cli.bench_model import run_model
+
+            result.model = run_model(model, trace, device, backend, opts, tick)
     result.interpreted = ran_interpreted(backend_obj)
     result.quick = opts.steps < FULL.steps or opts.burst_reps < FULL.burst_reps
     return result
@@ -286,6 +296,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise RefusedError(problem)
     device = resolve_device(args.device)  # DeviceError: main() reports it, exit code 2
     check_sizes(opts, device)
+    from multiwrite.cli.bench_model import model_options, model_plot_path
+
+    model = model_options(args, opts, device)
     if args.launch:
         from multiwrite.plugins.dispatch import available_backends
 
@@ -298,7 +311,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     try:
         result = run_bench(
-            opts, device, args.backend, args.trace, show_progress(args.no_progress), args.launch, args.stage
+            opts, device, args.backend, args.trace, show_progress(args.no_progress), args.launch, args.stage, model
         )
     finally:
         torch.set_num_threads(threads_before)
@@ -313,4 +326,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(result, args.plot)
         print(f"plot: {args.plot}")
+        if result.model is not None:
+            from multiwrite.bench.model_report import write_model_plot
+
+            write_model_plot(result.model, result.env, model_plot_path(args.plot))
+            print(f"plot: {model_plot_path(args.plot)}")
     return 1 if result.failures() else 0
