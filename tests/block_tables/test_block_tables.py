@@ -407,3 +407,23 @@ def test_distinct_block_tables_from_eight_threads_match_the_reference(backend):
 
     run_interleaved(worker)
     assert failures == []
+
+
+def test_tables_built_and_used_inside_inference_mode(backend):
+    """vLLM builds and runs its model runner's state under `torch.inference_mode()`: the tables are normal tensors
+    there too (the resize guards read their version counters), and every job works."""
+    import torch
+
+    from multiwrite import BlockTables
+
+    d = backend.device
+    with torch.inference_mode():
+        bt = BlockTables([4], 2, [2], d, backend=backend.name, max_num_batched_tokens=4)
+        bt.append_block_ids(1, [[3, 5]], True)
+        gathered, slots = bt.prepare_inputs(torch.tensor([1], device=d), torch.tensor([0, 2], device=d),
+                                            torch.tensor([1, 6], device=d), 2, 3)  # fmt: skip
+        assert gathered[0].tolist() == [[3, 5], [0, 0]] and slots.tolist() == [[13, 22, -1]]
+        bt.append_block_ids(1, [[7]], True)
+        bt.apply_staged_writes()
+        assert bt.gather_block_tables(torch.tensor([1], device=d), 1)[0].tolist() == [[7, 5]]
+        assert not bt.input_block_tables[0].is_inference()
