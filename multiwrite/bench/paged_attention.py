@@ -74,7 +74,7 @@ class PagedBatch:
         self.owner = torch.full((P,), -1, **i64)
         self.logical = torch.full((P,), -1, **i64)
         # FlexAttention's KV block lists: [B, heads=1, q blocks=1, max(P, W)] (at least as wide as the cache has
-        # pages, which the compiled kernels require); per entry its last block "partial" (masked), the others "full".
+        # pages, which the compiled kernels require); per entry its pages split into "full" and "partial" (`update`).
         self.num_partial = torch.zeros(B, 1, 1, **i32)
         self.partial = torch.zeros(B, 1, 1, max(P, W), **i32)
         self.num_full = torch.zeros(B, 1, 1, **i32)
@@ -100,14 +100,20 @@ class PagedBatch:
         ids = torch.where(used, self.gathered.long(), spare)
         self.owner.fill_(-1).scatter_(0, ids.reshape(-1), torch.where(used, self._entry, -1).reshape(-1))
         self.logical.fill_(-1).scatter_(0, ids.reshape(-1), torch.where(used, self._column, -1).reshape(-1))
-        self.owner[spare] = -1
-        self.logical[spare] = -1
+        self.owner[spare:].fill_(-1)  # (a slice: `t[i] = -1` copies a host scalar, which a CUDA graph cannot capture)
+        self.logical[spare:].fill_(-1)
         W = self.gathered.shape[1]
-        last = torch.gather(self.gathered, 1, (n - 1).clamp(min=0)[:, None])
-        self.partial[:, 0, 0, :1].copy_(last)
-        self.num_partial.copy_((n > 0).to(torch.int32).view(-1, 1, 1))
-        self.full[:, 0, 0, :W].copy_(torch.where(self._column < (n - 1)[:, None], self.gathered, 0))
-        self.num_full.copy_((n - 1).clamp(min=0).to(torch.int32).view(-1, 1, 1))
+        # Full blocks: the pages whose every position is at most the entry's first query position (no query masks
+        # any of their keys); the rest of the entry's pages are partial (its mask_mod runs there). With several
+        # queries (a prefill chunk) that is every page from the first query's on, not only the last one.
+        first = torch.where(self.q_pos >= 0, self.q_pos, self.kv_len[:, None]).amin(1)
+        nf = torch.minimum(torch.div(first + 1, self.block_size, rounding_mode="floor"), n)
+        rest = self._column + nf[:, None]
+        tail = torch.gather(self.gathered, 1, rest.clamp(max=W - 1))
+        self.partial[:, 0, 0, :W].copy_(torch.where(self._column < (n - nf)[:, None], tail, 0))
+        self.num_partial.copy_((n - nf).to(torch.int32).view(-1, 1, 1))
+        self.full[:, 0, 0, :W].copy_(torch.where(self._column < nf[:, None], self.gathered, 0))
+        self.num_full.copy_(nf.to(torch.int32).view(-1, 1, 1))
 
     @property
     def block_mask(self):
