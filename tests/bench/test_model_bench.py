@@ -150,3 +150,15 @@ class FakeGraph:
     def replay(self) -> None:
         self.replays += 1
         self._step()
+
+
+@pytest.mark.slow
+def test_the_small_preset_runs_and_verifies_on_cpu(capsys):
+    """The about-1B preset (16 layers, hidden 2048) on CPU, a few decode steps at C=8: what CI runs of it (slow
+    tests: tox -e plugin)."""
+    args = [a for a in ARGS if a not in ("tiny",)]
+    args[args.index("--model-preset") + 1 : args.index("--model-preset") + 1] = ["small"]
+    args[args.index("--concurrency") + 1] = "8"
+    assert main([*args, "--steps", "10", "--model-steps", "10"]) == 0
+    printed = capsys.readouterr().out
+    assert "model (--model): a decode step of small" in printed and "verification: OK" in printed
