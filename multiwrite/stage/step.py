@@ -91,6 +91,8 @@ class StepInputs:
         ):  # fmt: skip
             return None
         n = idx.shape[0]
+        if n > layout.max_num_reqs:
+            return None
         do_gather = num_reqs_padded is not None
         if do_gather and not (num_reqs_padded.__class__ is int and n <= num_reqs_padded <= layout.max_num_reqs):
             return None
@@ -313,13 +315,13 @@ def _check_positions(
         return
     pos = pos.astype(np.int64)
     live = np.ones(pos.shape[0], dtype=bool) if pad is None else ~pad[: pos.shape[0]]
+    entry = np.searchsorted(qsl[1:], np.arange(pos.shape[0]), side="right")
+    req = idx[np.minimum(entry, idx.shape[0] - 1)].astype(np.int64)
+    live &= req >= 0  # (a dummy request's tokens get PAD: nothing is read for them, not even their positions)
     negative = np.flatnonzero(live & (pos < 0))
     if negative.size:
         i = int(negative[0])
         raise StageInputError(f"{what}: positions[{i}]={int(pos[i])} is negative")
-    entry = np.searchsorted(qsl[1:], np.arange(pos.shape[0]), side="right")
-    req = idx[np.minimum(entry, idx.shape[0] - 1)].astype(np.int64)
-    live &= req >= 0  # (a dummy request's tokens get PAD: nothing is read for them)
     req = np.maximum(req, 0)
     C, ilv, rank = layout.cp_size, layout.cp_interleave, layout.cp_rank
     for g, (bs, kbs, k, width) in enumerate(

@@ -99,7 +99,10 @@ class BlockTables(BlockIdStaging, StageCalls):
         device = check_device(device, "BlockTables")
         refuse_capture(device, "BlockTables(...)")  # (its setup synchronizes: never inside a capture of this thread)
         groups = (slot_mapping_enabled, dcp_sharded, sliding_window_reach)
-        with setup_calls(device):  # (a capture on another thread stays valid)
+        # (setup_calls: a capture on another thread stays valid; inference mode off: every tensor the tables and the
+        # backend's plan keep is a normal tensor, also when built under torch.inference_mode(), as vLLM builds its
+        # runner's state, and used or refreshed outside it)
+        with setup_calls(device), torch.inference_mode(False):
             self._build(block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, backend,
                         max_num_batched_tokens, cp_size, cp_rank, cp_interleave, cuda_graphs, groups)  # fmt: skip
 

@@ -259,9 +259,7 @@ class StageCalls:
         if step is None:
             return None
         if step.do_gather:
-            if self._dirty_rows > step.num_rows:
-                step.num_rows = self._dirty_rows
-            self._dirty_rows = step.num_reqs
+            self._rows(step)
         try:
             if writes:
                 self._plan.prepare(step)
@@ -309,11 +307,8 @@ class StageCalls:
         return step
 
     def _rows(self, step: StepInputs) -> None:
-        """Rows a gather into `input_block_tables` writes: up to the rows the last one left (zeroed), unless
-        captured (a replay writes the rows of its capture)."""
-        if is_capturing(self.device):
-            self._dirty_rows = max(self._dirty_rows, step.num_reqs)
-            return
+        """Rows a gather into `input_block_tables` writes: also those the last gather (or dummy) left past this one's
+        padded rows, zeroed (vLLM 0.33's rule). A captured gather bakes them in, as vLLM's capture would."""
         if self._dirty_rows > step.num_rows:
             step.num_rows = self._dirty_rows
         self._dirty_rows = step.num_reqs

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from multiwrite.errors import BlockTableWriteError, StagedWriteError
+from multiwrite.errors import BlockTableWriteError, GraphCaptureError, StagedWriteError
 from multiwrite.tables.block_tables import BlockTables as CoreBlockTables
 
 
@@ -226,7 +226,10 @@ class BlockTables:
         core = self.core
         if core is None:
             return ()
-        views = core.gather_block_tables(idx_mapping, num_reqs_padded, out, num_computed_tokens, self._due)
+        try:
+            views = core.gather_block_tables(idx_mapping, num_reqs_padded, out, num_computed_tokens, self._due)
+        except GraphCaptureError as exc:
+            raise _deferred_in_capture("gather_block_tables") from exc
         self._due = False
         return views
 
@@ -254,8 +257,11 @@ class BlockTables:
         core = self.core
         if core is None:
             return (self.slot_mappings if out is None else out)[:, :num_tokens_padded]
-        slots = core.compute_slot_mappings(idx_mapping, query_start_loc, positions, num_tokens_padded, None, out,
-                                           self._due)  # fmt: skip
+        try:
+            slots = core.compute_slot_mappings(idx_mapping, query_start_loc, positions, num_tokens_padded, None, out,
+                                               self._due)  # fmt: skip
+        except GraphCaptureError as exc:
+            raise _deferred_in_capture("compute_slot_mappings") from exc
         self._due = False
         return slots
 
@@ -273,12 +279,37 @@ class BlockTables:
         return self.core.commit_staged_writes()
 
     def _flush(self) -> None:
-        """Run a deferred apply now."""
+        """Run a deferred apply now (it stays due if the apply raises: the next call applies it)."""
         if self._due:
-            self._due = False
             core = self.core
             if core is not None and core.num_staged_writes:
-                core.apply_staged_writes()
+                try:
+                    core.apply_staged_writes()
+                except GraphCaptureError as exc:
+                    raise _deferred_in_capture("a read of the tables") from exc
+            self._due = False
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        """Refused (`copy`, `pickle`), as the core's: the tables own device and staging memory.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(
+            "a multiwrite.vllm.BlockTables cannot be copied or pickled: it owns device tables and staging memory "
+            "that kernels read; build a new one with the same arguments instead"
+        )
 
     def __repr__(self) -> str:
         return f"multiwrite.vllm.BlockTables({self.core!r})"
+
+
+def _deferred_in_capture(call: str) -> GraphCaptureError:
+    """What a call during a CUDA graph capture raises when it would land a deferred apply (which a capture cannot
+    hold: it reads staging memory that each step rewrites)."""
+    return GraphCaptureError(
+        f"multiwrite.vllm.BlockTables: {call} during a CUDA graph capture would land the apply_staged_writes() "
+        "before it, which is deferred (defer_apply=True) and cannot be captured. Let an eager gather or slot mapping "
+        "(or a read of .block_tables) run it before capturing, or build with defer_apply=False. Nothing was "
+        "recorded; the writes stay staged and the apply stays due"
+    )

@@ -132,8 +132,10 @@ def _ours_if_loaded() -> type | None:
     return getattr(module, "BlockTables", None)
 
 
-def _vllm_modules() -> list[tuple[str, Any]]:
-    return [(name, m) for name, m in list(sys.modules.items()) if m is not None and name.split(".")[0] == "vllm"]
+def _vllm_modules() -> list[tuple[str, dict]]:
+    """(name, namespace) of every loaded `vllm` module (entries of `sys.modules` without a `__dict__` skipped)."""
+    return [(name, vars(m)) for name, m in list(sys.modules.items())
+            if name.split(".")[0] == "vllm" and isinstance(getattr(m, "__dict__", None), dict)]  # fmt: skip
 
 
 def install() -> list[str]:
@@ -163,12 +165,12 @@ def install() -> list[str]:
             f"replaces (vLLM 0.33's), nothing was replaced: " + "; ".join(diffs)
         )
     ours = importlib.import_module(OURS_MODULE).BlockTables
-    rebound = []
-    for name, m in _vllm_modules():
-        if m.__dict__.get("BlockTables") is found:
-            m.BlockTables = ours
-            rebound.append(name)
-    _original = found
+    holders = [(name, ns) for name, ns in _vllm_modules() if ns.get("BlockTables") is found]  # (all found first)
+    if _original is None:  # (a second install after vLLM's class was replaced keeps the first original)
+        _original = found
+    for _, ns in holders:
+        ns["BlockTables"] = ours
+    rebound = [name for name, _ in holders]
     logger.info("multiwrite.vllm: BlockTables replaced in %s", ", ".join(rebound))
     return rebound
 
@@ -181,9 +183,9 @@ def uninstall() -> list[str]:
     if _original is None or ours is None:
         return []
     rebound = []
-    for name, m in _vllm_modules():
-        if m.__dict__.get("BlockTables") is ours:
-            m.BlockTables = _original
+    for name, ns in _vllm_modules():
+        if ns.get("BlockTables") is ours:
+            ns["BlockTables"] = _original
             rebound.append(name)
     _original = None
     return rebound

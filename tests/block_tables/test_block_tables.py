@@ -427,3 +427,5 @@ def test_tables_built_and_used_inside_inference_mode(backend):
         bt.apply_staged_writes()
         assert bt.gather_block_tables(torch.tensor([1], device=d), 1)[0].tolist() == [[7, 5]]
         assert not bt.input_block_tables[0].is_inference()
+    bt.refresh_layout()  # outside inference mode: the plan's descriptors are normal tensors too
+    assert bt.gather_block_tables(torch.tensor([1], device=d), 1)[0].tolist() == [[7, 5]]

@@ -107,6 +107,25 @@ def test_vllm_033_class_is_accepted_and_rebound_where_bound(vllm_tree):
     assert uninstall() == []
 
 
+def test_an_entry_of_sys_modules_without_a_namespace_is_passed_over_and_uninstall_restores_all(vllm_tree, monkeypatch):
+    """Found by review: an object without `__dict__` under a `vllm.*` name made install() fail halfway, with modules
+    rebound and nothing for uninstall() to restore."""
+
+    class Slotted:
+        __slots__ = ()
+
+    original = stand_in_class()
+    mods = vllm_tree(original)
+    monkeypatch.setitem(sys.modules, "vllm.aaa_not_a_module", Slotted())
+    assert "vllm.v1.worker.gpu.model_runner" in install()
+    assert sorted(uninstall()) == [
+        "vllm.v1.worker.gpu.block_table",
+        "vllm.v1.worker.gpu.cudagraph_utils",
+        "vllm.v1.worker.gpu.model_runner",
+    ]
+    assert mods["vllm.v1.worker.gpu.model_runner"].BlockTables is original
+
+
 def test_a_runner_imported_after_install_gets_ours(vllm_tree):
     mods = vllm_tree(stand_in_class(), runner=False)
     assert install() == ["vllm.v1.worker.gpu.block_table", "vllm.v1.worker.gpu.cudagraph_utils"]

@@ -163,3 +163,13 @@ def test_a_host_entry_below_minus_one_or_past_the_rows_is_refused_and_nothing_ap
             bt.gather_block_tables(torch.tensor(bad), 2)
         assert bt.core.num_staged_writes > 0  # the deferred apply is still due
     assert host(bt.gather_block_tables(torch.tensor([0]), 1)[0]).tolist() == [[1, 0, 0, 0]]
+
+
+def test_the_tables_cannot_be_copied_or_pickled():
+    import copy
+    import pickle
+
+    bt = BlockTables([4], 2, 8, [4], torch.device("cpu"))
+    for action in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            action(bt)
