@@ -197,3 +197,11 @@ def test_a_group_context_parallelism_does_not_shard_is_mapped_whole_on_every_ran
                                   torch.arange(8, device=d), 1, 9)[1]  # fmt: skip
         mine = [12 + i // 2 if i % 2 == rank else -1 for i in range(8)]
         assert host(slots).tolist() == [mine + [-1], [20, 21, 22, 23, 24, 25, 26, 27, -1], [-1] * 9]
+
+
+def test_a_dummy_entry_s_host_positions_are_not_read(backend):
+    """Found by review: a -1 entry's tokens were still checked for a negative position (nothing is read for them)."""
+    bt = BlockTables([4], 2, [2], backend.device, backend=backend.name, max_num_batched_tokens=4)
+    bt.append_block_ids(0, [[3]], True)
+    slots = bt.prepare_inputs(torch.tensor([-1, 0]), torch.tensor([0, 1, 2]), torch.tensor([-5, 2]), 2, 2)[1]
+    assert host(slots).tolist() == [[-1, 14]]
