@@ -5,8 +5,8 @@ Every job runs in the core (`multiwrite.tables.BlockTables`); this class maps vL
 policy of its own, the deferred apply (docs/vllm.md): `apply_staged_writes()` launches nothing, and the staged
 writes land in the same launch as the next `gather_block_tables` or `compute_slot_mappings` (vLLM's runner calls
 one of them next; nothing reads the tables in between). Anything else that needs the tables applied first flushes:
-the next `append_block_ids`, `get_dummy_*`, `init_block_table_layout_tensors`, and reading the `block_tables` or
-`num_blocks` attributes. `defer_apply=False` applies at once instead.
+the next `append_block_ids`, `init_block_table_layout_tensors`, and reading the `block_tables` or `num_blocks`
+attributes. `defer_apply=False` applies at once instead.
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ class BlockTables:
         if self._due or self.redirect_writes_to_null_block or len(new_block_ids) != self.num_kv_cache_groups:
             if self.core is None:
                 return
-            self._flush()
+            if req_index.__class__ is int and 0 <= req_index < self.max_num_reqs:  # (a bad row: refused, not flushed)
+                self._flush()
             new_block_ids = new_block_ids[: self.num_kv_cache_groups]
             if self.redirect_writes_to_null_block:
                 new_block_ids = [[0] * len(ids) for ids in new_block_ids]
@@ -237,8 +238,7 @@ class BlockTables:
         """Zero the first `num_reqs` rows of `input_block_tables` (and rows a gather left) and return those views."""
         if self.core is None:
             return ()
-        self._flush()
-        return self.core.get_dummy_block_tables(num_reqs)
+        return self.core.get_dummy_block_tables(num_reqs)  # (an apply writes no row of input_block_tables)
 
     def compute_slot_mappings(
         self,
@@ -269,8 +269,7 @@ class BlockTables:
         """Fill the whole `slot_mappings` with PAD (-1) and return `slot_mappings[:, :num_tokens]`."""
         if self.core is None:
             return self.slot_mappings[:, :num_tokens]
-        self._flush()
-        return self.core.get_dummy_slot_mappings(num_tokens)
+        return self.core.get_dummy_slot_mappings(num_tokens)  # (an apply writes no slot)
 
     # -- multiwrite's extras --------------------------------------------------------------------------------------
     def commit_staged_writes(self) -> int:

@@ -173,3 +173,17 @@ def test_the_tables_cannot_be_copied_or_pickled():
     for action in (copy.copy, copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match="cannot be copied or pickled"):
             action(bt)
+
+
+def test_a_refused_append_to_a_bad_row_leaves_the_due_apply_due(backend):
+    """Found by review: a refused call landed the deferred apply before refusing (nothing of a refused call runs)."""
+    bt = tables(backend)
+    bt.append_block_ids(0, ([1], [2]), True)
+    bt.apply_staged_writes()
+    staged = bt.core.num_staged_writes
+    with pytest.raises(RuntimeError, match="request row 9"):
+        bt.append_block_ids(9, ([3], [4]), True)
+    bt.get_dummy_block_tables(2)
+    bt.get_dummy_slot_mappings(3)
+    assert bt.core.num_staged_writes == staged and host(bt.core.num_blocks_device).sum() == 0  # still due
+    assert host(bt.gather_block_tables(vec([0], backend.device), 1)[0]).tolist() == [[1, 0, 0, 0]]
