@@ -44,6 +44,17 @@ class StepBuffers:
 
 
 class Design:
+    """One design of the stage bench on `BlockTables` of the stage configuration with `concurrency` rows and
+    `max_tokens` slots: `prepare(calls)` builds a step's `append_block_ids` arguments (untimed), `stage` stages them
+    and `run(x)` runs the step's stage on `StepBuffers` `x` (both timed), `after(x)` its untimed device work;
+    `outputs`, `snapshot` and `kernel_block_sizes` are what it is checked by.
+
+    Attributes:
+        name, launches: how the report names it and counts its launches per step.
+        config: the tables' configuration (G3; `bench.model_step` runs the designs on G1).
+        bt: its multiwrite `BlockTables` (None for vLLM's own class).
+    """
+
     name = ""
     launches = ""
     config = STAGE_CONFIG  # the tables' configuration (`bench.model_step` runs the designs on G1)
@@ -192,6 +203,9 @@ class OursThreeCalls(Design):
 
 
 class AnchorDesign(Design):
+    """Our apply, then the anchor's gather and slot-mapping kernels (`bench.anchor_kernels`; `fused`: one kernel for
+    both) into buffers of their own; GPU only."""
+
     fused = False
 
     def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):

@@ -129,6 +129,9 @@ def _no_uva_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def stand_in_modules(device_type: str) -> dict[str, types.ModuleType]:
+    """The stand-ins for the vLLM modules the two files import, by module name (not yet in `sys.modules`:
+    `modules_in_place` puts them there): the real Triton, `PAD_SLOT_ID = -1`, a logger with `warning_once`, no UVA
+    (`is_uva_available()` is False), host-to-device copies, and `current_platform.device_type = device_type`."""
     import triton
     import triton.language as tl
 
