@@ -205,14 +205,6 @@ class TablesLayout:
         offsets = [0]
         for w in widths:
             offsets.append(-(-(offsets[-1] + R * w) // _ALIGN) * _ALIGN)
-        # Normal tensors even when built inside `torch.inference_mode()` (vLLM builds its model runner's state there):
-        # inference tensors have no version counter, which the resize guards read on every call.
-        with torch.inference_mode(False):
-            self._allocate(offsets, widths, R, num_groups, device)
-        return self
-
-    def _allocate(self, offsets: list[int], widths: list[int], R: int, num_groups: int, device: torch.device) -> None:
-        """The two allocations and their views (`build`)."""
         self.storage = torch.zeros(offsets[-1] + num_groups * R, dtype=torch.int32, device=device)
         self.tables = [self.storage[offsets[g] : offsets[g] + R * w].view(R, w) for g, w in enumerate(widths)]
         self.num_blocks = self.storage[offsets[-1] :].view(num_groups, R)
@@ -230,6 +222,7 @@ class TablesLayout:
             self.slot_mappings = self.outputs_storage[half:].view(num_groups, T)
             self.slot_mappings.fill_(PAD_SLOT_ID)
             self.tokens = torch.arange(T, device=device)
+        return self
 
     @property
     def num_groups(self) -> int:
