@@ -75,8 +75,9 @@ class GraphMode:
         Waits while the header ring (or, ticketed, the ticket ring; or, for a batch that stays in its lease, the
         next lease) is full of what no run has consumed: `RingWaitWarning` after 1 s, `RingStallError` after 10 s
         (after a device synchronization, except during a capture). Nothing is published then and every write
-        stays staged. A batch an eager call published without launching its consume (the launch failed) is applied
-        first, outside a capture (one launch), so that the commit does not wait for what no replay would apply.
+        stays staged. Past the common case (one compiled call), a batch an eager call published without launching
+        its consume (the launch failed) is applied first, outside a capture (one launch): the commit could otherwise
+        wait for memory it holds, which no replay frees.
 
         Raises:
             GraphProtocolError: (ticketed) the device recorded a mis-pairing not reported yet; nothing is published.
