@@ -133,6 +133,42 @@ def simulated_capture() -> Iterator[SimulatedGraph]:
         _simulations -= 1
 
 
+def capture_id(device: torch.device) -> object:
+    """What names the capture under way on the current stream of `device`: equal for every call within one capture,
+    different for another capture of the process (the driver's capture id on NVIDIA, the `SimulatedGraph` of a
+    simulated capture on this thread), or None where none is under way or it cannot be had (ROCm; a driver
+    without `cuStreamGetCaptureInfo`). A driver call: for work done once per capture, not per step."""
+    if device.type != "cuda":
+        return simulated_graph() if _simulations else None
+    fn = _capture_info() if torch.version.hip is None else None
+    if fn is None:
+        return None
+    status, ident = ctypes.c_int(0), ctypes.c_uint64(0)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if fn(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident)) != 0 or status.value != 1:
+        return None  # (1: CU_STREAM_CAPTURE_STATUS_ACTIVE)
+    return ident.value
+
+
+def _capture_info() -> Callable[..., int] | None:
+    """The driver's `cuStreamGetCaptureInfo` (its first signature, which the unversioned symbol keeps: stream,
+    status, id), or None where it cannot be had."""
+    global _CAPTURE_INFO
+    if _CAPTURE_INFO is _UNSEEN:
+        try:
+            lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+            fn = lib.cuStreamGetCaptureInfo
+            fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)]
+            fn.restype = ctypes.c_int
+            _CAPTURE_INFO = fn
+        except (OSError, AttributeError):
+            _CAPTURE_INFO = None
+    return _CAPTURE_INFO  # type: ignore[return-value]
+
+
+_CAPTURE_INFO: object = _UNSEEN
+
+
 def _exchange_capture_mode() -> Callable[[ctypes.c_int], int] | None:
     """The driver's `cuThreadExchangeStreamCaptureMode` (libcuda), or None where it cannot be had."""
     global _EXCHANGE

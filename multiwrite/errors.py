@@ -46,6 +46,32 @@ class GraphCaptureError(RuntimeError):
     """
 
 
+class GraphProtocolError(RuntimeError):
+    """Graph mode's commits and replays were mis-paired (docs/graph-mode.md, "Pairing is by count"): a replay ran
+    without (or before) its `commit_staged_writes()`, or a commit had no replay issued before the next eager
+    `apply_staged_writes()` / `prepare_inputs` (an extra commit, or an eager call between a commit and its replay).
+
+    The device records the fault; the next commit or eager apply of the tables raises this once per fault, before
+    it publishes or changes anything: the staged writes stay staged and every published batch still lands. The
+    pairing is already restored: the next commit is the batch of the next replay to run.
+
+    Attributes:
+        replays_without_commit: replays that found their ticket unpublished since the last report (0: none).
+        last_replay: the run index (0, 1, ...) of the last of them, or None.
+        commits_without_replay: commits an eager run found with no replay since the last report (0: none).
+        first_commit: the ticket index (the commit's number among commits, 0, 1, ...) of the first of the last such
+            find, or None.
+    """
+
+    def __init__(self, message: str, replays_without_commit: int = 0, last_replay: int | None = None,
+                 commits_without_replay: int = 0, first_commit: int | None = None):  # fmt: skip
+        super().__init__(message)
+        self.replays_without_commit = replays_without_commit
+        self.last_replay = last_replay
+        self.commits_without_replay = commits_without_replay
+        self.first_commit = first_commit
+
+
 class ForkedCudaError(RuntimeError):
     """CUDA tables used in a process forked after its parent initialized CUDA (CUDA cannot work there).
 
@@ -84,5 +110,5 @@ class RingStallError(RuntimeError):
 
 
 #: multiwrite's own errors: a job that raises one raises it as it is, not as a `BackendError` (a refusal, a stall).
-OWN_ERRORS = (StagedWriteError, StageInputError, GraphCaptureError, ForkedCudaError, RingStallError,
-              BackendUnavailableError)  # fmt: skip
+OWN_ERRORS = (StagedWriteError, StageInputError, GraphCaptureError, GraphProtocolError, ForkedCudaError,
+              RingStallError, BackendUnavailableError)  # fmt: skip

@@ -172,9 +172,11 @@ class TritonPlan(GraphPlan):
 
     # -- graph mode -------------------------------------------------------------------------------------------------
     def consume(self, ring: HeaderRing, limit: int) -> None:
-        """One launch of the consume kernel (through the JIT: a launch either captured or rare)."""
+        """One launch of the consume kernel (through the JIT: a launch either captured or rare). An eager one
+        (`limit >= 0`) carries the ring's `tickets_published` as of now."""
+        tickets = ring.tickets_published if limit >= 0 else 0
         args = (self.desc.addr, ring.headers_addr, ring.tickets_addr, ring.state.data_ptr(), ring.mirror_addr, limit,
-                self.desc.num_tables)  # fmt: skip
+                tickets, self.desc.num_tables)  # fmt: skip
         consts = self._consume_consts
         self.device.consume_launcher.launch(("consume", consts["DEPTH"], consts["NT"], self.pdl), consts, 1, 1,
                                             args, jit=True)  # fmt: skip

@@ -318,7 +318,9 @@ class GraphPlan(TablesPlan):
 
     - `consume(ring, limit)`: launch the consume kernel on the current stream. `limit = -1` (what a capture records):
       apply, in order, every header not yet applied up to the header of ticket `runs` (the replay's own) if that
-      ticket is published, else nothing; count the run. `limit >= 0`: apply every header below `limit`.
+      ticket is published, else nothing (counted as missed); count the run. `limit >= 0`: apply every header below
+      `limit`; fewer runs than `ring.tickets_published` at the launch are counted as extra tickets, and the runs set
+      to it (the words of `multiwrite/staging/headers.py`).
     - `record_stage(ring, step, consume)`: launch `consume(ring, -1)` first if `consume`, then the stage of `step`
       (gather and/or slot mappings) reading its inputs by address; return what must stay alive for the replays.
 

@@ -119,6 +119,14 @@ MW_INTERNAL extern PyTypeObject mw_BlockIdStagingType;
 #define INLINE_VALUES 256
 #define ENTRY_WORDS (HEADER_WORDS + (INLINE_WRITES * 5 + INLINE_VALUES) / 2)
 #define INLINE_FLAG INT64_MIN /* the sign bit of COUNTS: the batch is in the entry */
+/* Words of the device's counts the kernel stores into the pinned mirror (staging/headers.py: M_APPLIED ...): headers
+ * applied, captured runs, idle runs, re-reads, runs that found their ticket unpublished (MISSED) and the last such
+ * run, tickets an eager run found without a run (EXTRA) and the first of the last such find. */
+#define MIRROR_WORDS 8
+#define M_APPLIED 0
+#define M_RUNS 1
+#define M_MISSED 4
+#define M_EXTRA 6
 
 MW_INTERNAL extern PyTypeObject mw_HeaderRingFieldsType;
 

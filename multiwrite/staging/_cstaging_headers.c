@@ -18,7 +18,9 @@ typedef struct {
     Py_ssize_t tickets;      /* tickets published: commits meant for one replay each */
     Py_ssize_t headers_addr; /* int64 [depth, ENTRY_WORDS] */
     Py_ssize_t tickets_addr; /* int64 [depth]: (ticket + 1) << 32 | (header index & 0xFFFFFFFF) */
-    Py_ssize_t mirror_addr;  /* int64 [4] the device stores: headers applied, captured runs, idle runs, re-reads */
+    Py_ssize_t mirror_addr;  /* int64 [MIRROR_WORDS] the device stores: headers applied, captured runs, ... */
+    long long missed_seen;   /* the mirror's MISSED and EXTRA words as the host last reported them: a commit */
+    long long extra_seen;    /* that finds them changed leaves the report (and the commit) to the caller */
 } HeaderRingFields;
 
 static PyMemberDef ring_members[] = {
@@ -28,6 +30,10 @@ static PyMemberDef ring_members[] = {
     {"headers_addr", T_PYSSIZET, offsetof(HeaderRingFields, headers_addr), 0, "address of the headers"},
     {"tickets_addr", T_PYSSIZET, offsetof(HeaderRingFields, tickets_addr), 0, "address of the tickets"},
     {"mirror_addr", T_PYSSIZET, offsetof(HeaderRingFields, mirror_addr), 0, "address of the device's counts"},
+    {"missed_seen", T_LONGLONG, offsetof(HeaderRingFields, missed_seen), 0,
+     "replays without a published ticket the host has reported"},
+    {"extra_seen", T_LONGLONG, offsetof(HeaderRingFields, extra_seen), 0,
+     "tickets without a replay (found by eager runs) the host has reported"},
     {NULL},
 };
 
@@ -51,8 +57,9 @@ static PyObject *ring_publish(HeaderRingFields *self, PyObject *const *args, Py_
 }
 
 /* commit(arena, ticketed) -> header index, or None having changed nothing: `publish` in its common case, checked
- * first (no overlapping writes, a batch that travels inline or none, a free header entry and ticket). Anything else
- * (rounds to order, a wait, a batch that stays in its lease and needs the next one) is the caller's to prepare. */
+ * first (no overlapping writes, a batch that travels inline or none, a free header entry and ticket, no mis-pairing
+ * the device recorded that the host has not reported). Anything else (a report, rounds to order, a wait, a batch
+ * that stays in its lease and needs the next one) is the caller's to prepare. */
 static PyObject *ring_commit(HeaderRingFields *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyObject_TypeCheck(args[0], &mw_ArenaFieldsType))
         return mw_usage_error("commit(arena, ticketed)");
@@ -65,10 +72,12 @@ static PyObject *ring_commit(HeaderRingFields *self, PyObject *const *args, Py_s
         self->depth <= 0)
         Py_RETURN_NONE;
     const volatile int64_t *mirror = (const volatile int64_t *)(intptr_t)self->mirror_addr;
-    if (mirror[0] < (int64_t)self->published - self->depth + 1) /* the entry holds a header not applied yet */
+    if (mirror[M_MISSED] != self->missed_seen || mirror[M_EXTRA] != self->extra_seen) /* a mis-pairing to report */
+        Py_RETURN_NONE;
+    if (mirror[M_APPLIED] < (int64_t)self->published - self->depth + 1) /* the entry holds a header not applied */
         Py_RETURN_NONE;
     if (ticketed) {
-        const int64_t runs = mirror[1];
+        const int64_t runs = mirror[M_RUNS];
         const int64_t t = self->tickets > runs ? self->tickets : runs;
         if (runs < t - self->depth + 1) /* the ticket's word holds a ticket whose replay has not run */
             Py_RETURN_NONE;
@@ -134,7 +143,7 @@ static PyObject *publish_c(HeaderRingFields *self, ArenaFields *arena, PyObject 
         /* The ticket of the next replay: never behind the replays already run (one replayed without a commit has
          * used up its ticket; the next commit belongs to the replay after it). */
         int64_t *tv = (int64_t *)(intptr_t)self->tickets_addr;
-        const int64_t runs = self->mirror_addr ? ((volatile int64_t *)(intptr_t)self->mirror_addr)[1] : 0;
+        const int64_t runs = self->mirror_addr ? ((volatile int64_t *)(intptr_t)self->mirror_addr)[M_RUNS] : 0;
         const int64_t t = self->tickets > runs ? self->tickets : runs;
         __atomic_store_n(&tv[t % self->depth], (int64_t)((t + 1) & 0x7FFFFFFF) << 32 | ((int64_t)h & 0xFFFFFFFF),
                          __ATOMIC_RELEASE);

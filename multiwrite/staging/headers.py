@@ -14,13 +14,18 @@ The wire format every reader shares (the compiled `publish` writes it, a backend
   (both 31/32-bit wrapping): the header that replay `t` applies up to. A commit takes the ticket after the last
   one, or, when more replays have run than tickets were published (a replay without its commit), the ticket of
   the next replay to run: so a missed commit costs one replay, never the pairing of all later ones.
-- `mirror` (pinned) and `state` (device): int64 `[4]`: headers applied, captured runs, runs that applied nothing,
-  inline batches read again after a checksum mismatch. The kernel updates `state` and stores it into `mirror`.
+- `mirror` (pinned) and `state` (device): int64 `[MIRROR_WORDS]`: headers applied, captured runs, runs that
+  applied nothing, inline batches read again after a checksum mismatch; captured runs that found their ticket not
+  published (a replay without, or before, its commit) and the index of the last of them; tickets an eager run found
+  with no run (a commit whose replay was not issued before that eager call) and the first ticket of the last such
+  find. The kernel updates `state` and stores it into `mirror`.
 
 A captured run `r` (the r-th replay) applies, in order, every header not yet applied up to ticket `r`'s header if
-ticket `r` is published, else nothing. An eager run applies every header published when it was issued. Either way
-headers land exactly once, in commit order, and, with one commit before each replay, a replay never applies a
-batch committed after it was issued: `docs/graph-mode.md` gives the protocol, its conditions and why.
+ticket `r` is published, else nothing (and counts itself as missed). An eager run applies every header published
+when it was issued; it is also given the host's ticket count then, and when fewer runs than that have run it counts
+the difference and sets the runs to it, so that the next commit pairs with the next replay. Either way headers land
+exactly once, in commit order, and, with one commit right before each replay, a replay never applies a batch
+committed after it was issued: `docs/graph-mode.md` gives the protocol, its conditions and why.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ else:  # pragma: no cover - depends on the install
 
 #: Word indices of a header.
 (H_SEQ, H_META, H_VALUES, H_BOUNDS, H_DONE, H_TOKEN, H_COUNTS, H_NUM_VALUES) = range(8)
-#: Words of `mirror` and `state`.
-(M_APPLIED, M_RUNS, M_IDLE, M_REREADS) = range(4)
+#: Words of `mirror` and `state` (the C helper's M_APPLIED ... in _cstaging.h).
+(M_APPLIED, M_RUNS, M_IDLE, M_REREADS, M_MISSED, M_LAST_MISSED, M_EXTRA, M_FIRST_EXTRA) = range(8)
+MIRROR_WORDS = 8
 #: int32 offset of an inline batch's values after its metadata columns.
 INLINE_META = 5 * INLINE_WRITES
 
@@ -59,9 +65,11 @@ class HeaderRing(_Fields):  # type: ignore[misc, valid-type]
     Attributes:
         headers: int64 `[depth * ENTRY_WORDS]` (numpy view of the pinned entries).
         tickets: int64 `[depth]`.
-        mirror: int64 `[4]`, as the device last stored it (may lag).
-        state: int64 `[4]` on the device.
+        mirror: int64 `[MIRROR_WORDS]`, as the device last stored it (may lag).
+        state: int64 `[MIRROR_WORDS]` on the device.
         published, tickets_published: headers and tickets published so far (host counts).
+        missed_seen, extra_seen: the `missed` and `extra` counts the host has reported (`GraphProtocolError`); a
+            commit in C leaves the report to its caller while the mirror differs.
 
     Raises:
         RuntimeError: the compiled helper `multiwrite.staging._cstaging` is not built (graph mode needs it).
@@ -81,10 +89,10 @@ class HeaderRing(_Fields):  # type: ignore[misc, valid-type]
         self.headers = entries.numpy()
         self.tickets_t = torch.zeros(depth, dtype=torch.int64, pin_memory=pin)
         self.tickets = self.tickets_t.numpy()
-        self.mirror_t = torch.zeros(4, dtype=torch.int64, pin_memory=pin)
+        self.mirror_t = torch.zeros(MIRROR_WORDS, dtype=torch.int64, pin_memory=pin)
         self.mirror = self.mirror_t.numpy()
         self._mirror_mv = memoryview(self.mirror)  # type: ignore[arg-type]  # int64 loads without numpy scalars
-        self.state = torch.zeros(4, dtype=torch.int64, device=device)
+        self.state = torch.zeros(MIRROR_WORDS, dtype=torch.int64, device=device)
         settle(device)  # the zeroed state is complete whatever stream launches next
         self.depth = depth
         self.headers_addr = entries.data_ptr()
@@ -111,6 +119,33 @@ class HeaderRing(_Fields):  # type: ignore[misc, valid-type]
         """Inline batches read again because what a run read did not match the checksum, as last stored."""
         return int(self._mirror_mv[M_REREADS])
 
+    @property
+    def missed(self) -> int:
+        """Captured runs that found their ticket not published (a replay without, or before, its commit), as last
+        stored."""
+        return int(self._mirror_mv[M_MISSED])
+
+    @property
+    def last_missed(self) -> int:
+        """The run index (0, 1, ...) of the last captured run that found its ticket not published, as last stored."""
+        return int(self._mirror_mv[M_LAST_MISSED])
+
+    @property
+    def extra(self) -> int:
+        """Tickets that eager runs found with no captured run (a commit whose replay was not issued before that eager
+        call), as last stored."""
+        return int(self._mirror_mv[M_EXTRA])
+
+    @property
+    def first_extra(self) -> int:
+        """The first ticket of the last such find by an eager run, as last stored."""
+        return int(self._mirror_mv[M_FIRST_EXTRA])
+
+    def ticket_header(self, t: int) -> int | None:
+        """The header ticket `t` names, if its word still holds it (a later ticket reuses the word), else None."""
+        word = int(self.tickets[t % self.depth])
+        return word & 0xFFFFFFFF if word >> 32 == (t + 1) & 0x7FFFFFFF else None
+
     def entry_free(self) -> bool:
         """The next header's entry holds no header the device has not applied."""
         return self._mirror_mv[M_APPLIED] >= self.published - self.depth + 1
@@ -126,4 +161,4 @@ class HeaderRing(_Fields):  # type: ignore[misc, valid-type]
         return self.headers[e * ENTRY_WORDS : (e + 1) * ENTRY_WORDS]
 
 
-__all__ = ["ENTRY_WORDS", "HEADER_WORDS", "INLINE_META", "INLINE_VALUES", "INLINE_WRITES", "HeaderRing"]
+__all__ = ["ENTRY_WORDS", "HEADER_WORDS", "INLINE_META", "INLINE_VALUES", "INLINE_WRITES", "MIRROR_WORDS", "HeaderRing"]

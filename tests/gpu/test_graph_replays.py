@@ -16,7 +16,15 @@ import pytest
 import torch
 
 import multiwrite.staging.wait as wait_module
-from multiwrite import BlockTables, GraphCaptureError, RingStallError, RingWaitWarning, StageInputError
+from multiwrite import (
+    BlockTables,
+    GraphCaptureError,
+    GraphProtocolError,
+    RingStallError,
+    RingWaitWarning,
+    StageInputError,
+)
+from multiwrite.backends.triton.plan import TritonPlan
 from multiwrite.reference import ReferenceBlockTables, compute_slot_mappings_reference, gather_block_tables_reference
 from multiwrite.workload import CONFIGS, TOKEN_BUDGET, load_trace, max_blocks_per_group, replay_schedule, replay_steps
 from tests.gpu.helpers import busy, gpu_backend
@@ -25,13 +33,13 @@ BLOCK_SIZES, KERNEL_BLOCK_SIZES = CONFIGS["G3"]
 
 
 class Captured:
-    """A graph-mode BlockTables of G3 at concurrency `reqs`, its reference, and a graph that applies the batch of its
-    commit and snapshots the tables."""
+    """A graph-mode BlockTables of G3 at concurrency `reqs` (on a fresh backend: `backend_kw`, e.g. `ring_depth=2`), its
+    reference, and a graph that applies the batch of its commit and snapshots the tables."""
 
-    def __init__(self, device, backend_name: str, reqs: int = 40):
-        widths = max_blocks_per_group(BLOCK_SIZES)
-        self.bt = BlockTables(BLOCK_SIZES, reqs, widths, device, KERNEL_BLOCK_SIZES, backend=gpu_backend(backend_name),
-                              cuda_graphs=True)  # fmt: skip
+    def __init__(self, device, backend_name: str, reqs: int = 40, **backend_kw):
+        widths = self.widths = max_blocks_per_group(BLOCK_SIZES)
+        self.bt = BlockTables(BLOCK_SIZES, reqs, widths, device, KERNEL_BLOCK_SIZES,
+                              backend=gpu_backend(backend_name, **backend_kw), cuda_graphs=True)  # fmt: skip
         self.ref = ReferenceBlockTables(BLOCK_SIZES, reqs, widths, KERNEL_BLOCK_SIZES)
         self.snaps = [torch.empty_like(t.tensor) for t in self.bt.block_tables]
         self.snap_counts = torch.empty_like(self.bt.num_blocks_device)
@@ -162,11 +170,12 @@ def test_eager_applies_interleave_with_replays(device, backend_name):
     np.testing.assert_array_equal(c.bt.num_blocks, c.ref.num_blocks)
 
 
-def test_a_late_replay_after_an_eager_apply_applies_nothing_committed_after_it(device, backend_name):
-    """The protocol's first fault, for real: step 2's replay is queued on a side stream held busy; an eager
-    apply_staged_writes() on the current stream applies step 2 meanwhile; the host stages and commits step 3, which
-    frees row 1 and gives it to a new request; only then does step 2's replay run. Its snapshot must show step 2
-    (it applies nothing new); the next replay applies step 3. (An earlier design applied step 3 in step 2's replay.)"""
+def test_a_late_replay_with_an_eager_apply_queued_after_it_applies_only_its_own_step(device, backend_name):
+    """The protocol's first fault, for real, on one stream: step 2's replay waits behind 200 ms of device work; the host
+    queues an eager apply_staged_writes() after it (nothing staged: it applies what is published), stages and commits
+    step 3, which frees row 1 and gives it to a new request, and queues step 3's replay. Step 2's replay must show
+    step 2 (ticket 1: step 3 is not its batch), step 3's replay step 3; the eager call found every commit replayed
+    (no GraphProtocolError). (An earlier design applied step 3 in step 2's replay.)"""
     c = Captured(device, backend_name, reqs=8)
     c.stage([(0, ([1, 2], [3], [4]), True), (1, ([5, 6], [7], [8, 9]), True)])
     c.bt.commit_staged_writes()
@@ -177,24 +186,131 @@ def test_a_late_replay_after_an_eager_apply_applies_nothing_committed_after_it(d
     c.bt.commit_staged_writes()
     c.ref.apply_staged_writes()
     want2 = c.expected()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        busy(0.2)
-        c.graph.replay()  # step 2's replay, behind 200 ms of work
-        snap2 = c.snapshot()
-    c.bt.apply_staged_writes()  # eager, on the current stream: applies step 2 now
+    busy(0.2)
+    c.graph.replay()  # step 2's replay, behind 200 ms of work
+    snap2 = c.snapshot()
+    c.bt.apply_staged_writes()  # eager, queued after step 2's replay
     c.stage([(1, ([], [], []), True), (1, ([20], [21], [22]), True)])  # step 3: row 1 freed and reused
     c.bt.commit_staged_writes()
     c.ref.apply_staged_writes()
-    assert not side.query(), "step 2's replay ran before the commit of step 3: the test would prove nothing"
-    side.synchronize()
-    torch.cuda.current_stream(device).wait_stream(side)
+    assert not torch.cuda.current_stream(device).query(), "step 2's replay ran before the commit of step 3"
     c.graph.replay()  # step 3's replay
     snap3 = c.snapshot()
     torch.cuda.synchronize(device)
     assert mismatches(snap2, want2) == 0, "step 2's late replay applied step 3"
     assert mismatches(snap3, c.expected()) == 0 and c.bt[0].tensor[1, 0].item() == 20
+    ring = c.bt.graph.ring
+    assert (ring.missed, ring.extra, ring.runs, ring.tickets_published) == (0, 0, 3, 3)
+    c.bt.commit_staged_writes()  # no mis-pairing to report
+    c.graph.replay()
+
+
+def full_rows(c: Captured, rows, seed: int) -> list:
+    """Calls that overwrite `rows` with fresh ids over their whole width: more than 256 values, a batch that stays in
+    its staging slot."""
+    rng = np.random.default_rng(seed)
+    calls = [(r, [rng.integers(1, 100_000, w).tolist() for w in c.widths], True) for r in rows]
+    assert values_of(calls) > 256
+    return calls
+
+
+def test_an_eager_big_apply_after_unreplayed_big_commits_waits_only_for_the_busy_stream(device, backend_name):
+    """Seven commits of batches over 256 values (each left in its staging slot: every slot of the default eight but
+    the arena's own) with no replay, behind 300 ms of device work; then an eager apply_staged_writes() of one more.
+    It launches the consume kernel for the seven first, so its publish waits only for the stream: no
+    RingWaitWarning, no RingStallError, and everything lands in commit order. The seven commits had no replay: the
+    next commit raises GraphProtocolError once, and the commit and replay after it pair. Before, the publish waited
+    for a slot no launch would free and gave up after 10 s with RingStallError naming commit_staged_writes."""
+    c = Captured(device, backend_name, reqs=16)
+    torch.cuda.synchronize(device)
+    busy(0.3)
+    for i in range(7):
+        c.stage(full_rows(c, [i], seed=i))
+        c.bt.commit_staged_writes()
+    c.stage(full_rows(c, [7, 8], seed=7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RingWaitWarning)
+        c.bt.apply_staged_writes()
+    c.ref.apply_staged_writes()
+    torch.cuda.synchronize(device)
+    assert mismatches(c.live(), c.expected()) == 0
+    c.stage([(9, ([1], [2], [3]), True)])
+    with pytest.raises(GraphProtocolError, match="commit 0 .counting commits from 0.*and the 6 commits after it") as e:
+        c.bt.commit_staged_writes()
+    assert e.value.commits_without_replay == 7 and [t.num_staged_writes for t in c.bt.block_tables] == [1, 1, 1]
+    c.bt.commit_staged_writes()
+    c.graph.replay()
+    c.ref.apply_staged_writes()
+    torch.cuda.synchronize(device)
+    assert mismatches(c.snapshot(), c.expected()) == 0 and mismatches(c.live(), c.expected()) == 0
+
+
+@pytest.mark.parametrize("then", ["eager apply", "commit"])
+def test_a_big_batch_lands_after_an_interrupted_eager_apply_on_two_slots_behind_a_busy_stream(
+    device, backend_name, monkeypatch, then
+):
+    """Staging rings of two slots. Ctrl-C in the consume launch of an eager apply of a big batch leaves it published
+    without a ticket, holding the other slot, behind 300 ms of device work. The next big batch needs that slot: an
+    eager apply, or a commit (one launch, outside a capture), applies the stranded batch first and waits only for
+    the stream; then everything lands, and the next step pairs. Before, both waited for a slot no launch would free
+    (RingStallError after 10 s)."""
+    c = Captured(device, backend_name, reqs=16, ring_depth=2)
+    torch.cuda.synchronize(device)
+    busy(0.3)
+    c.stage(full_rows(c, [0], seed=1))
+    with monkeypatch.context() as patch:
+        patch.setattr(TritonPlan, "consume", lambda self, *args: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            c.bt.apply_staged_writes()
+    c.stage(full_rows(c, [1], seed=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RingWaitWarning)
+        if then == "commit":
+            c.bt.commit_staged_writes()
+            c.graph.replay()
+        else:
+            c.bt.apply_staged_writes()
+    c.ref.apply_staged_writes()
+    torch.cuda.synchronize(device)
+    assert mismatches(c.live(), c.expected()) == 0
+    if then == "commit":
+        assert mismatches(c.snapshot(), c.expected()) == 0
+    c.stage(full_rows(c, [2], seed=3))
+    c.bt.commit_staged_writes()
+    c.graph.replay()
+    c.ref.apply_staged_writes()
+    torch.cuda.synchronize(device)
+    assert mismatches(c.snapshot(), c.expected()) == 0
+    assert (c.bt.graph.ring.missed, c.bt.graph.ring.extra) == (0, 0)
+
+
+def test_a_second_consume_launch_in_one_capture_is_refused(device, backend_name):
+    """apply_staged_writes() and then prepare_inputs() in one torch.cuda.graph capture: the second consume launch is
+    refused (GraphCaptureError, found by the driver's capture id), the capture completes, and its replays pair one to
+    one with the commits; a second capture records its own consume launch."""
+    if torch.version.hip is not None:
+        pytest.skip("the capture id is read on NVIDIA only (cuStreamGetCaptureInfo)")
+    bt = BlockTables(BLOCK_SIZES, 8, [20, 10, 40], device, KERNEL_BLOCK_SIZES, backend=gpu_backend(backend_name),
+                     cuda_graphs=True, max_num_batched_tokens=64)  # fmt: skip
+    idx = torch.zeros(8, dtype=torch.int32, device=device)
+    qsl, pos = torch.zeros(9, dtype=torch.int32, device=device), torch.zeros(64, dtype=torch.int64, device=device)
+    bt.prepare_inputs(idx, qsl, pos, 8, 64)  # warm-up
+    torch.cuda.synchronize(device)
+    g, other = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        bt.apply_staged_writes()
+        with pytest.raises(GraphCaptureError, match="already recorded their consume launch"):
+            bt.prepare_inputs(idx, qsl, pos, 8, 64)
+    with torch.cuda.graph(other):
+        bt.prepare_inputs(idx, qsl, pos, 8, 64)
+    torch.cuda.synchronize(device)
+    for step in range(4):
+        bt.append_block_ids(step, ([step + 1], [], []), True)
+        bt.commit_staged_writes()
+        (g if step % 2 else other).replay()
+    torch.cuda.synchronize(device)
+    assert bt[0].tensor[:4, 0].tolist() == [1, 2, 3, 4]
+    assert (bt.graph.ring.runs, bt.graph.ring.missed, bt.graph.ring.idle_runs) == (4, 0, 0)
 
 
 def test_a_capture_without_the_flag_is_refused_naming_it(device, backend_name):

@@ -5,19 +5,24 @@ The tables are `triton-cuda` tables on the CPU: their kernels run through Triton
 `multiwrite.capture.simulated_capture()` (what it records runs at each `graph.replay()`, as a CUDA graph replay runs
 what it captured). The protocol the model follows (docs/graph-mode.md):
 
-- a commit publishes the staged batch as the next header WITH a ticket (ticket `t` for the `t`-th commit);
+- a commit publishes the staged batch as the next header WITH a ticket: the one after the last, or, when more
+  replays have run than tickets were published, the ticket of the next replay to run;
 - replay `r` applies every header not yet applied up to ticket `r`'s header, or nothing when ticket `r` is not
-  published when it runs;
-- an eager `apply_staged_writes()` publishes what is staged (no ticket) and applies every header published so far.
+  published when it runs (then it counts as missed: a mis-pairing);
+- an eager `apply_staged_writes()` publishes what is staged (no ticket) and applies every header published so far;
+  when fewer replays have run than tickets were published, it counts the difference as extra (a mis-pairing) and
+  sets the runs to the tickets. The next commit or eager apply then raises `GraphProtocolError`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from multiwrite.backends.triton.backend import TritonCudaBackend
 from multiwrite.capture import simulated_capture
+from multiwrite.errors import GraphProtocolError
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.testing.staging import block_tables_class
 from tests.support import host
@@ -48,10 +53,13 @@ class GraphModel:
         self.graph = graph
         self.ref = ReferenceBlockTables(BS, reqs, widths, KBS)
         self.headers: list[State] = []  # the reference state each published header leaves
-        self.tickets: list[int] = []  # the header of each ticket
+        self.tickets: list[int | None] = []  # the header of each ticket (None: a ticket no commit took)
         self.applied = 0  # headers the device has applied
-        self.runs = 0  # replays run
+        self.runs = 0  # replays run (and, after an eager run that found commits with no replay, those commits)
         self.idle = 0  # replays that applied nothing
+        self.missed = 0  # replays that found their ticket unpublished
+        self.extra = 0  # tickets eager runs found with no replay
+        self.reported = (0, 0)  # (missed, extra) as a GraphProtocolError last reported them
         self.staged = False  # something is staged since the last commit / eager apply / clear
         self.device: State = self._snapshot()  # what the device tables hold
 
@@ -62,6 +70,7 @@ class GraphModel:
         self.staged |= overwrite or any(len(i) for i in ids)
 
     def commit(self) -> int:
+        assert not self.report_due(), "the commit would raise GraphProtocolError: expect_report() first"
         return self.committed(self.bt.commit_staged_writes())
 
     def committed(self, h: int) -> int:
@@ -69,6 +78,7 @@ class GraphModel:
         assert h == len(self.headers), (h, len(self.headers))
         self.ref.apply_staged_writes()  # what a clear returns to from now on
         self.headers.append(self._snapshot())
+        self.tickets += [None] * (max(len(self.tickets), self.runs) - len(self.tickets))
         self.tickets.append(h)
         self.staged = False
         return h
@@ -80,26 +90,67 @@ class GraphModel:
     def replayed(self) -> None:
         """Record a replay of `self.graph` that ran (e.g. on another thread)."""
         r, self.runs = self.runs, self.runs + 1
-        if r < len(self.tickets) and self.tickets[r] + 1 > self.applied:
-            self.applied = self.tickets[r] + 1
+        h = self.tickets[r] if r < len(self.tickets) else None
+        if h is None:
+            self.missed += 1
+        if h is not None and h + 1 > self.applied:
+            self.applied = h + 1
             self.device = self.headers[self.applied - 1]
         else:
             self.idle += 1
 
     def eager_apply(self) -> None:
+        assert not self.report_due(), "the eager apply would raise GraphProtocolError: expect_report() first"
         self.bt.apply_staged_writes()
         self.ref.apply_staged_writes()
         if self.staged:
             self.headers.append(self._snapshot())
             self.staged = False
-        if self.headers:
+        self.eager_run()
+
+    def published_eagerly(self) -> None:
+        """Record an eager publish the test made itself whose consume launch did not run (no ticket)."""
+        self.ref.apply_staged_writes()
+        self.headers.append(self._snapshot())
+        self.staged = False
+
+    def eager_run(self) -> None:
+        """Record an eager consume run: every header published lands; commits no replay was issued for are extra."""
+        if self.applied < len(self.headers):  # (a launch: it finds the commits no replay was issued for)
             self.applied = len(self.headers)
             self.device = self.headers[-1]
+            if self.runs < len(self.tickets):
+                self.extra += len(self.tickets) - self.runs
+                self.runs = len(self.tickets)
 
     def clear(self) -> None:
         self.bt.clear_staged_writes()
         self.ref.clear_staged_writes()
         self.staged = False
+
+    def report_due(self) -> bool:
+        """The device recorded a mis-pairing that no call has reported yet: the next commit or eager apply raises."""
+        return (self.missed, self.extra) != self.reported
+
+    def expect_report(self, call: str = "commit") -> GraphProtocolError:
+        """The next `call` ("commit" or "eager") raises GraphProtocolError, changing nothing (checked), once: the
+        same call then works. Returns the error."""
+        assert self.report_due()
+        before = [host(t.tensor).copy() for t in self.bt.block_tables], self.bt.num_blocks.copy()
+        staged = [t.num_staged_writes for t in self.bt.block_tables]
+        published = self.bt.graph.ring.published
+        with pytest.raises(GraphProtocolError) as info:
+            (self.bt.commit_staged_writes if call == "commit" else self.bt.apply_staged_writes)()
+        assert self.bt.graph.ring.published == published and staged == [t.num_staged_writes for t in
+                                                                          self.bt.block_tables]  # fmt: skip
+        for g, t in enumerate(self.bt.block_tables):
+            np.testing.assert_array_equal(host(t.tensor), before[0][g], err_msg=f"group {g} changed")
+        np.testing.assert_array_equal(self.bt.num_blocks, before[1])
+        err = info.value
+        assert (err.replays_without_commit, err.commits_without_replay) == (
+            self.missed - self.reported[0], self.extra - self.reported[1])  # fmt: skip
+        self.reported = (self.missed, self.extra)
+        return err
 
     # -- checks ------------------------------------------------------------------------------------------------
     def _snapshot(self) -> State:
@@ -114,8 +165,9 @@ class GraphModel:
         np.testing.assert_array_equal(host(self.bt.num_blocks_device), counts, err_msg=f"{where} num_blocks_device")
         np.testing.assert_array_equal(self.bt.num_blocks, self.ref.num_blocks, err_msg=f"{where} host num_blocks")
         ring = self.bt.graph.ring
-        assert (ring.published, ring.tickets_published, ring.applied, ring.runs, ring.idle_runs) == (
-            len(self.headers), len(self.tickets), self.applied, self.runs, self.idle), where  # fmt: skip
+        assert (ring.published, ring.tickets_published, ring.applied, ring.runs, ring.idle_runs, ring.missed,
+                ring.extra) == (len(self.headers), len(self.tickets), self.applied, self.runs, self.idle,
+                                self.missed, self.extra), where  # fmt: skip
 
     def can_commit(self) -> bool:
         """A commit would not wait: a free header entry and a free ticket."""

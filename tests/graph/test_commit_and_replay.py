@@ -74,31 +74,40 @@ def test_a_replay_without_a_commit_applies_nothing():
     assert m.bt.graph.ring.idle_runs == 1 and not m.bt[0].tensor.any()
 
 
-def test_replays_pair_with_commits_again_after_a_replay_without_a_commit():
-    """README: each replay applies the batch of ONE commit, the oldest not applied; a replay that finds none does
-    nothing. After a warm-up replay (before the first commit), commit-then-replay must apply each step."""
+def test_a_warm_up_replay_is_reported_at_the_next_commit_and_the_commits_pair_with_the_replays_after_it():
+    """A replay before the first commit (a warm-up) applies nothing, and is a mis-pairing: the next commit raises
+    GraphProtocolError naming replay 0 and publishes nothing; the same commit then pairs with the next replay. (It
+    was silent before.)"""
     m = GraphModel()
     m.replay()  # warm-up: nothing committed yet
     m.stage(0, ([1], [2], [3]), True)
-    m.bt.commit_staged_writes()
-    m.graph.replay()
+    err = m.expect_report()
+    assert (err.replays_without_commit, err.last_replay, err.commits_without_replay) == (1, 0, 0)
+    assert "replay 0 (replays count from 0) found no commit for it" in str(err)
+    m.commit()
+    m.replay()
+    m.check("the replay after the commit")
     assert m.bt[0].tensor[0, 0].item() == 1, "the replay after the commit did not apply the committed batch"
 
 
 def test_an_eager_apply_applies_every_published_batch_then_the_staged_writes():
+    """A commit whose replay is not issued before an eager apply: the eager apply applies its batch, then the staged
+    writes (which overwrite it); that commit is a mis-pairing (an extra commit, or an eager call between a commit
+    and its replay), reported once by the next commit, after which commits and replays pair again."""
     m = GraphModel()
     m.stage(0, ([1, 2], [3], [4]), True)
     m.commit()
     m.replay()
     m.check("first replay")
     m.stage(0, ([5], [6], [7]), False)
-    m.commit()  # committed for a replay that has not run yet: the eager apply below applies it first
+    m.commit()  # no replay is issued for it before the eager apply below, which applies it first
     m.stage(0, ([8], [9], [10]), True)  # overwrites what the committed batch wrote
     m.eager_apply()
     m.check("eager apply")
     assert m.bt[0].tensor[0, :3].tolist() == [8, 2, 5]
-    m.replay()  # the replay of the second commit: already applied, applies nothing
-    m.check("late replay")
+    err = m.expect_report()
+    assert (err.commits_without_replay, err.first_commit, err.replays_without_commit) == (1, 1, 0)
+    assert "commit 1 (counting commits from 0), header 1, had no replay issued before the eager" in str(err)
     m.stage(4, ([3], [3], [3]), True)
     m.commit()
     m.replay()
@@ -190,14 +199,17 @@ def test_the_rings_wrap_exactly(ring_depth):
 
 def test_random_orderings_over_trace_steps_equal_the_model(staging):
     """Random interleavings of staging, commits, queued replays, eager applies and clears over the steps of the
-    small trace, checked after every step; the host runs up to three commits ahead of the replays."""
-    rng = np.random.default_rng(10)
+    small trace, checked after every step; the host runs up to three commits ahead of the replays. An eager apply
+    while commits wait for their replay is a mis-pairing: the next call raises GraphProtocolError (expected)."""
+    rng = np.random.default_rng(16)
     widths = max_blocks_per_group(BS, 512)
     m = GraphModel(ring_depth=4, reqs=8, widths=widths, staging=staging)
     for i, calls in enumerate(replay_steps(load_trace(TRACE), BS, 8, 40)):
         for req, ids, overwrite in calls:
             m.stage(req, ids, overwrite)
         op = rng.random()
+        if m.report_due():  # an eager apply found commits whose replay had not run: the next call reports it
+            m.expect_report("eager" if op < 0.2 else "commit")
         if op < 0.05 and i > 5:
             m.clear()
             m.check(f"step {i}: clear")
@@ -215,6 +227,7 @@ def test_random_orderings_over_trace_steps_equal_the_model(staging):
         m.replay()
         m.check("draining")
     assert m.applied == len(m.headers) > len(m.tickets) > 10  # (eager applies publish headers without tickets)
+    assert m.extra > 0 and not m.report_due()
 
 
 def test_an_eager_prepare_inputs_applies_the_published_batches_then_the_staged_ones():

@@ -19,10 +19,19 @@ import torch
 import multiwrite.staging.wait as wait_module
 from multiwrite.backends.triton.ring import SlotRing
 from multiwrite.capture import simulated_capture
-from multiwrite.errors import BackendError, RingStallError, RingWaitWarning, StagedWriteError
+from multiwrite.errors import BackendError, GraphCaptureError, RingStallError, RingWaitWarning, StagedWriteError
 from multiwrite.staging.headers import HeaderRing
 from multiwrite.tables import graph as graph_module
-from tests.graph.model import REQS, WIDE, GraphModel, fill, retry_after_a_replay, staged, two_unapplied_commits
+from tests.graph.model import (
+    REQS,
+    WIDE,
+    GraphModel,
+    fill,
+    graph_tables,
+    retry_after_a_replay,
+    staged,
+    two_unapplied_commits,
+)
 from tests.support import host
 
 
@@ -39,13 +48,15 @@ def interrupting_sleep(monkeypatch) -> list[int]:
     return hits
 
 
-# -- 1: a replay never applies a batch committed after it was issued -------------------------------------------
-def test_a_late_replay_after_an_eager_apply_applies_nothing_committed_after_it():
-    """Commit step 1, replay it; commit step 2; an eager apply_staged_writes() (applies step 2); the host stages and
-    commits step 3, in which row 1 is freed and reused by a new request; only then does step 2's replay run (it was
-    queued behind a busy stream). It must apply nothing: step 2 was applied by the eager apply, and step 3 belongs to
-    the next replay. The earlier design (each replay applies the oldest batch not yet applied) applied step 3 in
-    step 2's replay, so step 2's model step read the new request's block ids in row 1."""
+# -- 1: commits and replays mis-paired: reported once, the pairing restored, nothing lost ------------------------
+def test_an_eager_apply_between_a_commit_and_its_replay_is_reported_and_the_later_replays_pair_again():
+    """Commit step 1, replay it; commit step 2; an eager apply_staged_writes() (applies step 2) before step 2's replay
+    is issued; the host stages step 3, in which row 1 is freed and reused by a new request. On one stream a replay
+    issued before the eager call runs before it (tests/gpu: a replay queued behind a busy stream applies only its own
+    step); one issued after it is the next commit's. So the eager call found commit 1 with no replay: the commit of
+    step 3 raises GraphProtocolError naming it, publishing nothing; committed again, step 3 pairs with the next
+    replay, and nothing of step 2 is lost. The protocol before this one said nothing, and the replay after the
+    eager call then applied nothing (step 3 came one replay late)."""
     m = GraphModel()
     m.stage(0, ([1, 2], [3], [4]), True)
     m.stage(1, ([5, 6], [7], [8, 9]), True)
@@ -56,18 +67,125 @@ def test_a_late_replay_after_an_eager_apply_applies_nothing_committed_after_it()
     m.commit()
     m.eager_apply()  # e.g. a prefill run outside the graph: applies every published batch
     m.check("eager apply")
-    step2 = [host(t.tensor).copy() for t in m.bt.block_tables]
+    assert m.bt[0].tensor[1, :3].tolist() == [5, 6, 10]
     m.stage(1, ([], [], []), True)  # step 3: row 1's request finished ...
     m.stage(1, ([20], [21], [22]), True)  # ... and a new request takes the row
+    err = m.expect_report()
+    assert (err.commits_without_replay, err.first_commit, err.replays_without_commit, err.last_replay) == (
+        1, 1, 0, None)  # fmt: skip
+    assert "commit 1 (counting commits from 0), header 1, had no replay issued before the eager" in str(err)
+    assert "commit_staged_writes of graph-mode BlockTables" in str(err) and "stay staged" in str(err)
     m.commit()
-    m.replay()  # step 2's replay, running after the commit of step 3
-    m.check("step 2's late replay")
-    for g, t in enumerate(m.bt.block_tables):
-        np.testing.assert_array_equal(host(t.tensor), step2[g], err_msg=f"group {g}: the late replay applied step 3")
-    assert m.bt[0].tensor[1, :3].tolist() == [5, 6, 10]
-    m.replay()  # step 3's replay
+    m.replay()
     m.check("step 3")
     assert m.bt[0].tensor[1, :3].tolist() == [20, 6, 10] and m.bt.num_blocks_device[:, 1].tolist() == [1, 2, 1]
+    m.stage(2, ([7], [8], [9]), True)
+    m.commit()
+    m.replay()
+    m.check("step 4: paired")
+
+
+def test_an_extra_commit_is_reported_at_the_call_after_the_next_eager_apply_and_nothing_is_lost():
+    """One commit_staged_writes() too many (no replay for it): every later replay applies the batch of the commit
+    before its own, which no replay can tell. The next eager apply (a step run outside the graph) applies every
+    published batch and finds one commit more than replays: the call after it raises GraphProtocolError (publishing
+    nothing); from then on each replay applies exactly its own commit's batch. Before, the shift was silent and
+    lasted until a replay ran without a commit."""
+    m = GraphModel()
+    m.stage(0, ([1], [2], [3]), True)
+    m.commit()
+    m.replay()
+    m.commit()  # the extra commit (empty)
+    for step in range(2, 5):
+        m.stage(step, ([step], [step], [step]), True)
+        m.commit()
+        m.replay()  # applies the previous commit's batch: one step late
+        m.check(f"step {step}, one late")
+        assert not m.bt[0].tensor[step].any()
+    m.stage(5, ([9], [9], [9]), True)
+    m.eager_apply()  # applies step 4 (the late one) and its own writes
+    m.check("eager step")
+    assert m.bt[0].tensor[4:6, 0].tolist() == [4, 9]
+    err = m.expect_report("eager")
+    assert (err.commits_without_replay, err.first_commit) == (1, 4)
+    assert err.args[0].startswith("apply_staged_writes of graph-mode BlockTables")
+    for step in range(6, 9):  # paired again: each replay applies its own step
+        m.stage(step - 4, ([step + 10], [], []), False)
+        m.commit()
+        m.replay()
+        m.check(f"step {step}")
+        assert m.bt[0].tensor[step - 4, :2].tolist() == [step - 4, step + 10]
+    assert (m.bt.graph.ring.extra, m.bt.graph.ring.missed) == (1, 0)
+
+
+def test_a_replay_before_its_commit_is_reported_at_that_commit_which_then_pairs_with_the_next_replay():
+    """The host replays step 2 before committing it: the replay finds its ticket unpublished and applies nothing.
+    That commit raises GraphProtocolError naming replay 1 and publishes nothing, the writes staged; made again, it is
+    the batch of the next replay, and every later step pairs. Before, the commit was silent."""
+    m = GraphModel()
+    m.stage(0, ([1], [2], [3]), True)
+    m.commit()
+    m.replay()
+    m.stage(1, ([4], [5], [6]), True)
+    m.replay()  # step 2's replay, before its commit
+    m.check("early replay")
+    err = m.expect_report()
+    assert (err.replays_without_commit, err.last_replay, err.commits_without_replay) == (1, 1, 0)
+    assert "replay 1 (replays count from 0) found no commit for it" in str(err)
+    m.commit()
+    m.replay()
+    m.check("step 2, committed again")
+    assert m.bt[0].tensor[1, 0].item() == 4
+    m.stage(2, ([7], [8], [9]), True)
+    m.commit()
+    m.replay()
+    m.check("step 3")
+
+
+def test_replays_without_commits_are_reported_once_counted_and_named():
+    """Two replays in a row without a commit: the next eager apply raises once, counting both and naming the last;
+    the same call then works, and the commit and replay after it pair."""
+    m = GraphModel()
+    m.stage(0, ([1], [2], [3]), True)
+    m.commit()
+    m.replay()
+    m.replay()
+    m.replay()
+    m.stage(1, ([4], [5], [6]), True)
+    err = m.expect_report("eager")
+    assert (err.replays_without_commit, err.last_replay) == (2, 2)
+    assert "2 replays found no commit for them (the last: replay 2" in str(err)
+    m.eager_apply()
+    m.check("the eager apply, again")
+    m.stage(2, ([7], [8], [9]), True)
+    m.commit()
+    m.replay()
+    m.check("paired")
+    assert m.bt[0].tensor[:3, 0].tolist() == [1, 4, 7]
+
+
+def test_a_second_consume_launch_in_one_capture_is_refused_and_the_first_one_pairs():
+    """A capture that records apply_staged_writes() and then prepare_inputs() (or the reverse) would consume two
+    tickets per replay: the second is refused with GraphCaptureError, nothing recorded; the graph replays with one
+    consume launch, paired with one commit each. Another capture of the same tables may record its own."""
+    bt = graph_tables(max_num_batched_tokens=8)
+    idx, qsl, pos = torch.zeros(2, dtype=torch.int64), torch.tensor([0, 0, 0]), torch.zeros(8, dtype=torch.int64)
+    with simulated_capture() as graph:
+        bt.apply_staged_writes()
+        with pytest.raises(GraphCaptureError, match=r"prepare_inputs on graph-mode BlockTables.*already recorded"):
+            bt.prepare_inputs(idx, qsl, pos, 2, 8)
+        with pytest.raises(GraphCaptureError, match=r"apply_staged_writes on graph-mode BlockTables.*already"):
+            bt.apply_staged_writes()
+        bt.gather_block_tables(idx, 2)  # the stage alone: allowed
+    assert len(graph.launches) == 2 and len(bt.graph.recordings) == 1
+    with simulated_capture() as other:
+        bt.prepare_inputs(idx, qsl, pos, 2, 8)
+    assert len(other.launches) == 2
+    for step in range(3):
+        bt.append_block_ids(step, ([step + 1], [], []), True)
+        bt.commit_staged_writes()
+        graph.replay()
+    assert bt[0].tensor[:3, 0].tolist() == [1, 2, 3] and bt.graph.ring.missed == 0
 
 
 # -- 2: a failure after the launch or publish point leaves a consistent state ----------------------------------

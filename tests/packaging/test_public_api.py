@@ -16,6 +16,7 @@ ERRORS = {
     "BackendUnavailableError": RuntimeError,
     "BackendError": RuntimeError,
     "GraphCaptureError": RuntimeError,
+    "GraphProtocolError": RuntimeError,
     "ForkedCudaError": RuntimeError,
     "RingStallError": RuntimeError,
     "RingWaitWarning": RuntimeWarning,

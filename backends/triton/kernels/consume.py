@@ -8,7 +8,11 @@ is published; an eager run applies every header below `limit`. An inline batch (
 its checksum (a run reading an entry while the host writes it, a replay issued before its commit, sees a mix of
 two batches; it then reads the entry again, ordered after its sequence word) and written from registers. A batch
 left in its staging memory is written tile by tile, round by round, then its memory is handed back (its token into
-its completion word). Last, the state and its pinned mirror are updated.
+its completion word). Last, the state and its pinned mirror are updated, with the two mis-pairings the host reports
+at its next call: a captured run whose ticket is not published (a replay without, or before, its commit), and an
+eager run that finds fewer runs than the tickets the host had published when it issued it (a commit whose replay
+was not issued before that eager call; the run count is then set to the host's: the next commit pairs with the next
+replay).
 
 Measured on an H200 (BENCHMARKS.md): a dependent load from pinned host memory costs about 1.5 us, so the number of
 dependent host round trips is the kernel's cost: state (device) -> ticket and entry (host) -> stores.
@@ -41,7 +45,8 @@ FEW_CELLS: tl.constexpr = tl.constexpr(4)
 BLOCK_W: tl.constexpr = tl.constexpr(16)
 BLOCK_L: tl.constexpr = tl.constexpr(64)
 NUM_WARPS = 4
-DO_NOT_SPECIALIZE = ("desc_addr", "headers_addr", "tickets_addr", "state_addr", "mirror_addr", "limit", "num_tables")
+DO_NOT_SPECIALIZE = ("desc_addr", "headers_addr", "tickets_addr", "state_addr", "mirror_addr", "limit", "tickets_host",
+                     "num_tables")  # fmt: skip
 
 
 @triton.jit
@@ -79,9 +84,11 @@ def consume_kernel_fn(
     desc_addr: tl.int64,  # device int64 [num_tables, 5]: the tables' descriptors, fixed for good
     headers_addr: tl.int64,  # pinned int64 [DEPTH, ENTRY_WORDS]
     tickets_addr: tl.int64,  # pinned int64 [DEPTH]
-    state_addr: tl.int64,  # device int64 [4]: headers applied, captured runs, idle runs, re-reads
-    mirror_addr: tl.int64,  # pinned int64 [4]: the same, for the host
+    state_addr: tl.int64,  # device int64 [8]: headers applied, captured runs, idle runs, re-reads, missed, last
+    #                        missed run, extra tickets, first extra ticket (staging/headers.py)
+    mirror_addr: tl.int64,  # pinned int64 [8]: the same, for the host
     limit: tl.int64,  # an eager run: apply the headers below this count; -1: a captured run (its ticket's)
+    tickets_host: tl.int64,  # an eager run: the tickets the host had published when it issued it (a captured run: 0)
     num_tables: tl.int32,
     DEPTH: tl.constexpr,  # header and ticket ring entries, a power of two
     NT: tl.constexpr,  # a power of two >= num_tables: every descriptor is loaded up front
@@ -103,6 +110,10 @@ def consume_kernel_fn(
     runs = tl.load(state + 1)
     idle = tl.load(state + 2)
     rereads = tl.load(state + 3)
+    missed = tl.load(state + 4)
+    last_missed = tl.load(state + 5)
+    extra = tl.load(state + 6)
+    first_extra = tl.load(state + 7)
     captured = limit < 0
     # One round trip: this run's ticket and the next header's entry (with its inline batch), issued together.
     ticket = tl.load(tickets + runs % DEPTH, mask=captured, other=0, cache_modifier=".cv")
@@ -189,15 +200,33 @@ def consume_kernel_fn(
     tl.debug_barrier()
     applied = applied + n
     idle = idle + (captured & (n == 0)).to(tl.int64)
-    runs = runs + captured.to(tl.int64)
+    # A replay whose ticket is not published: without (or before) its commit. The next commit takes the ticket of
+    # the next run (the host's `publish`), so this costs the one replay.
+    unpaired = captured & (published.to(tl.int32) == 0)
+    missed = missed + unpaired.to(tl.int64)
+    last_missed = tl.where(unpaired, runs, last_missed)
+    # An eager run after every replay issued before it (one stream): tickets beyond the runs are commits whose replay
+    # was not issued before this call. It applied their headers; the next replay pairs with the next commit.
+    behind = (limit >= 0) & (runs < tickets_host)
+    extra = extra + tl.where(behind, tickets_host - runs, 0)
+    first_extra = tl.where(behind, runs, first_extra)
+    runs = tl.where(behind, tickets_host, runs + captured.to(tl.int64))
     tl.store(state, applied)
     tl.store(state + 1, runs)
     tl.store(state + 2, idle)
     tl.store(state + 3, rereads)
+    tl.store(state + 4, missed)
+    tl.store(state + 5, last_missed)
+    tl.store(state + 6, extra)
+    tl.store(state + 7, first_extra)
     tl.store(mirror, applied, cache_modifier=".wt")
     tl.store(mirror + 1, runs, cache_modifier=".wt")
     tl.store(mirror + 2, idle, cache_modifier=".wt")
     tl.store(mirror + 3, rereads, cache_modifier=".wt")
+    tl.store(mirror + 5, last_missed, cache_modifier=".wt")  # (the indices before the counts the host reads first)
+    tl.store(mirror + 7, first_extra, cache_modifier=".wt")
+    tl.store(mirror + 4, missed, cache_modifier=".wt")
+    tl.store(mirror + 6, extra, cache_modifier=".wt")
 
 
 consume_kernel = triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)(consume_kernel_fn)
