@@ -105,6 +105,7 @@ def install(point: str, interrupt: Interrupt, stream: Stream, monkeypatch) -> No
 
         monkeypatch.setattr(Launcher, "_interpret", interpret)
         if point == "issued, then again while drained":
+
             def drain(device):
                 interrupt()
                 stream.sync()
