@@ -19,6 +19,7 @@ from multiwrite.backends.triton.ring import SlotRing
 from multiwrite.capture import settle, setup_calls
 from multiwrite.plugins.backend import WriteBatch
 from multiwrite.staging.arena import Lease, overlap_rounds
+from multiwrite.staging.table import self_overlaps
 
 #: The apply kernel's preloaded batch size, as a plain int.
 _PRELOADED = apply.PRELOADED_VALUES.value
@@ -56,12 +57,15 @@ def descriptor_rows(tables: Sequence[torch.Tensor]) -> list[tuple[int, int, int,
 
 
 def tables_alias(tables: Sequence[torch.Tensor]) -> bool:
-    """Whether the memory extents of any two `tables` intersect (writes to different (table, row) pairs may then hit
-    one cell). Disjoint slices of one allocation, as the groups of a `BlockTables`, do not alias."""
+    """Whether the memory extents of any two `tables` intersect, or a table's own cells overlap (writes to different
+    (table, row) pairs, or rows, may then hit one cell). Disjoint slices of one allocation, as the groups of a
+    `BlockTables`, do not alias."""
     extents = []
     for t in tables:
         if t.numel() == 0:
             continue
+        if self_overlaps(t if t.dim() == 2 else t.unsqueeze(1)):
+            return True
         lo = hi = 0
         for size, stride in zip(t.shape, t.stride()):
             reach = (size - 1) * stride
