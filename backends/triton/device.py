@@ -19,6 +19,7 @@ from multiwrite.backends.triton.ring import SlotRing
 from multiwrite.capture import settle, setup_calls
 from multiwrite.plugins.backend import WriteBatch
 from multiwrite.staging.arena import Lease, overlap_rounds
+from multiwrite.staging.table import self_overlaps
 
 #: The apply kernel's preloaded batch size, as a plain int.
 _PRELOADED = apply.PRELOADED_VALUES.value
@@ -56,12 +57,15 @@ def descriptor_rows(tables: Sequence[torch.Tensor]) -> list[tuple[int, int, int,
 
 
 def tables_alias(tables: Sequence[torch.Tensor]) -> bool:
-    """Whether the memory extents of any two `tables` intersect (writes to different (table, row) pairs may then hit
-    one cell). Disjoint slices of one allocation, as the groups of a `BlockTables`, do not alias."""
+    """Whether the memory extents of any two `tables` intersect, or a table's own cells overlap (writes to different
+    (table, row) pairs, or rows, may then hit one cell). Disjoint slices of one allocation, as the groups of a
+    `BlockTables`, do not alias."""
     extents = []
     for t in tables:
         if t.numel() == 0:
             continue
+        if self_overlaps(t if t.dim() == 2 else t.unsqueeze(1)):
+            return True
         lo = hi = 0
         for size, stride in zip(t.shape, t.stride()):
             reach = (size - 1) * stride
@@ -119,6 +123,7 @@ class TritonDevice:
         self.validation_t = torch.zeros(2, dtype=torch.int32, pin_memory=pin)
         self.validation_word = self.validation_t.numpy()
         self.validation_addr = self.validation_t.data_ptr()
+        self.validation_token = 0  # the last token a validation launch was given
         self.scratch = torch.zeros(32, dtype=torch.int64, device=device)
         self.validation_counter = self.scratch.data_ptr() + 8 * 31
         settle(device)  # the zeroed words are complete whatever stream launches next
@@ -180,36 +185,61 @@ class TritonDevice:
     ) -> None:
         """Launch a kernel that reads the staging memory `lease` (a slot of one of this device's rings): arguments
         `lead`, then the slot's completion counter, word and next token, then `tail`. `keep` (its descriptors) stays
-        alive until the slot is released; `lease.launches` counts the launch once it is issued.
+        alive until the slot is released; `lease.launches` (and `launcher.launches`) count the launch once it is
+        issued, and the ring records `lease` as the memory its slot's word guards.
 
-        A launch that raises an `Exception` launched nothing: the slot is free again and the error propagates. An
-        interrupt (`KeyboardInterrupt`) around the launch is resolved before it propagates: once the stream has run
-        what it holds, the slot's word tells whether the kernel ran (then it is counted), so the caller lands the
-        batch exactly when it was applied.
+        A launch that raises an `Exception` launched nothing: the slot is free again, nothing is counted, and the
+        error propagates. An interrupt (`KeyboardInterrupt`) at any point is resolved before it propagates
+        (`_resolve`): once the stream has run what it holds, the slot's word tells whether the kernel ran (then it
+        is counted), so the caller lands the batch exactly when it was applied.
         """
         ring: SlotRing = lease.lender  # type: ignore[assignment]
-        token = lease.next_token()
-        lease.keep = keep
-        args = (*lead, ring.counter_addrs[lease.slot], lease.done_addr, token, *tail)
-        fire = launcher.fire.get(variant)
+        token = None
         try:
+            token = lease.next_token()
+            lease.keep = keep
+            ring.leases[lease.slot] = lease
+            args = (*lead, ring.counter_addrs[lease.slot], lease.done_addr, token, *tail)
+            fire = launcher.fire.get(variant)
             if fire is not None and self.index == get_device():  # (`Launcher.launch`'s common case, one call less)
-                launcher.launches += 1
                 fire(grid0, grid1, get_stream(self.index), args)
+                launcher.launches += 1
             else:
                 launcher.launch(variant, consts, grid0, grid1, args)
         except Exception:
-            ring.launch_failed(lease, token)
-            raise
-        except BaseException:
-            if self.is_gpu:
-                torch.cuda.current_stream(self.device).synchronize()
-            if lease.released():
-                lease.launches += 1
-            else:
+            if token is not None:
                 ring.launch_failed(lease, token)
             raise
+        except BaseException:
+            if token is not None:
+                self._resolve(lease, token)
+            raise
         lease.launches += 1
+
+    def _resolve(self, lease: Lease, token: int) -> None:
+        """After an interrupt around the launch that was to read `lease` with `token`: let the stream run what it
+        holds (`drain`), then count the launch when its kernel stored the token, else free the slot. Further
+        interrupts meanwhile are held back and the last one re-raised once this is decided (the decision is what
+        keeps the arena and the tables in agreement)."""
+        held: BaseException | None = None
+        while True:
+            try:
+                self.drain()
+                if lease.released():
+                    lease.launches += 1
+                else:
+                    lease.lender.launch_failed(lease, token)  # type: ignore[union-attr]
+                break
+            except BaseException as exc:  # noqa: PERF203 - a second interrupt while resolving the first
+                held = exc
+        if held is not None:
+            raise held
+
+    def drain(self) -> None:
+        """Wait until the current stream of the device has run every launch it holds (nothing to wait for under the
+        interpreter, which runs each launch when it is issued)."""
+        if self.is_gpu:
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- WriteBatch applies (FusedStagedWriter) ----------------------------------------------------------------
     def apply(self, batches: Sequence[WriteBatch], backend: str) -> None:

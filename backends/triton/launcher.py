@@ -65,7 +65,6 @@ class Launcher:
         """Launch `grid0 x grid1` programs with `args` and the compile-time constants `consts` (`variant`: a hashable
         name of them), on the current stream of the device. `jit`: through the JIT (a launch being captured into a
         CUDA graph, or one with launch `options` such as `launch_pdl`)."""
-        self.launches += 1
         fire = None if jit else self.fire.get(variant)
         if fire is not None:
             index = self.device.index
@@ -74,15 +73,19 @@ class Launcher:
             else:
                 with torch.cuda.device(index):
                     fire(grid0, grid1, get_stream(index), args)
+            self.launches += 1
             return
         device = self.device
         if not device.is_gpu:
             graph = simulated_graph()
             run = functools.partial(self._interpret, grid0, grid1, args, consts)
-            return run() if graph is None else graph.record(run)
+            run() if graph is None else graph.record(run)
+            self.launches += 1
+            return
         capturing = is_capturing(device.device)
         with self._lock, torch.cuda.device(device.index):
             compiled = self.kernel[(grid0, grid1)](*args, **consts, num_warps=self.num_warps, num_stages=1, **options)
+            self.launches += 1
             if jit or options or variant in self.fire or device.launcher == "jit" or capturing:
                 return  # (bound at a later plain launch: binding validates with a launch of its own)
             self.fire[variant], self.path = bind_fast_launcher(compiled, tuple(consts.values()), device.device,
@@ -97,7 +100,9 @@ class Launcher:
         into the device's validation word within `VALIDATION_TIMEOUT_S` (polled: no synchronization)."""
         device = self.device
         word = device.validation_word
-        token = int(word[0]) % 0x7FFFFFFF + 1
+        # (a token of its own, never the word's next value: an interrupted validation's launch may store its
+        # token late, and must not pass a later one)
+        token = device.validation_token = device.validation_token % 0x7FFFFFFF + 1
         with torch.cuda.device(device.index), setup_calls(device.device):
             stream = torch.cuda.Stream(device.device)
             fire(1, 1, stream.cuda_stream, self.noop_args(device.validation_addr, device.validation_counter, token))

@@ -85,18 +85,17 @@ class SlotRing(StagingBuffers):
         if not lease.released():
             what = why or (lambda how: self._waiting(lease, how))
             wait_until(lease.released, what, self.owner.device)
-        short = lease.meta_cap < write_capacity or lease.values_cap < value_capacity
-        if short:
-            lease = self.grow(lease, max(write_capacity, lease.meta_cap), max(value_capacity, lease.values_cap))
+        if lease.meta_cap < write_capacity or lease.values_cap < value_capacity:
+            lease = self.leases[i] = self.grow(lease, max(write_capacity, lease.meta_cap),
+                                                max(value_capacity, lease.values_cap))  # fmt: skip
         self.next = self.succ[i]
         return lease
 
     def grow(self, lease: Lease, write_capacity: int, value_capacity: int) -> Lease:
-        """Larger memory for `lease`'s slot (released or not yet launched; the arena copies what it staged)."""
-        i = lease.slot
-        new = self._slot(i, write_capacity, value_capacity, lease.token)
-        self.leases[i] = new
-        return new
+        """Larger memory for `lease`'s slot (released or not yet launched; the arena copies what it staged). The
+        ring's own record of the slot changes when the new memory is handed out or launched, not here: an arena
+        interrupted before it adopts the new memory keeps staging into, and launching, the old one."""
+        return self._slot(lease.slot, write_capacity, value_capacity, lease.token)
 
     def release(self, lease: Lease) -> None:
         """`lease`, acquired for an apply that failed before its launch, goes back: the next `acquire` returns it."""

@@ -198,22 +198,35 @@ class StagingArena(ArenaFields):
         """The lease to land on after an apply hands the current one to a kernel (from the lender: may wait; `why`
         describes the wait to a caller that knows better what it waits for), or None when there is no lender (the
         arena keeps its arrays). It is taken as large as it is: staging grows it when a batch needs more (after a
-        prefill burst the next decode steps never pay for memory they do not use)."""
-        return None if self.lender is None else self.lender.acquire(0, 0, why)
+        prefill burst the next decode steps never pay for memory they do not use).
+
+        Never the arena's own lease: an apply interrupted after the lender handed it a lease and before it could
+        use or return it leaves the lender one lease ahead, and a lender of two leases then comes round to the one
+        the arena stages into; that one is passed by (landing on it would let the next step's staging rewrite
+        memory the kernel just launched still reads)."""
+        lender = self.lender
+        if lender is None:
+            return None
+        lease = lender.acquire(0, 0, why)
+        if lease is self.lease:
+            lease = lender.acquire(0, 0, why)
+        return lease
 
     def land_after(self, launch: Callable[..., None], *args: Any) -> None:
         """Hand the staged batch to `launch(lease, *args)`, which applies it from the arena's lease, then land on the
         next lease (taken first, so that nothing can fail once the batch is applied). When `launch` raises, the arena
         is as before (the next lease goes back, every write stays staged), unless a kernel was launched on the lease
-        before an interrupt (`lease.launches` counts launches): then the batch has landed and so does the arena."""
+        (`lease.launches` counts launches issued, also those an interrupt cut short): then the batch has landed and
+        so does the arena. An interrupt at any point leaves one of the two: landed (launched) or staged (not)."""
         lease = self.lease
-        nxt = None if self.lender is None else self.lender.acquire(0, 0)  # (`next_lease`)
         launches = lease.launches
+        nxt = None
         try:
+            nxt = self.next_lease()
             launch(lease, *args)
         except BaseException:
             if lease.launches != launches:
-                self.land(nxt)
+                self.land(nxt)  # (None when the interrupt came before the next lease: the arena keeps its lease)
             elif nxt is not None:
                 self.lender.release(nxt)
             raise

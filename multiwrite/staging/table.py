@@ -114,6 +114,7 @@ class StagedWriteTensor:
         self.kernel_blocks_per_block = int(k)
         self._user_tensor = tensor
         self._table = tensor if tensor.dim() == 2 else tensor.unsqueeze(1)
+        refuse_self_overlap(self._table, name, tensor)
         self._rows, self._cols = self._table.shape
         self._np_dtype = SUPPORTED_DTYPES[tensor.dtype]
         self._fixed: str | None = None  # why `.tensor` cannot be replaced (`in_arena`), or None
@@ -152,6 +153,7 @@ class StagedWriteTensor:
                 f"got {new.dim()}-D {dtype_name(new.dtype)}"
             )
         table = new if new.dim() == 2 else new.unsqueeze(1)
+        refuse_self_overlap(table, self.name, new)
         if table.numel() and max(table.shape) > INT32_MAX:
             raise StagedWriteError(f"{self.name}: replacement shape {shape_text(new.shape)} has a size past 2**31 - 1")
         self.check_staged_fit((table.shape[0], table.shape[1]))
@@ -301,3 +303,29 @@ class StagedWriteTensor:
                 f"shape {shape_text(shape if self._user_tensor.dim() == 2 else shape[:1])}; nothing was written "
                 "and every staged write stays staged"
             )
+
+
+def self_overlaps(table: torch.Tensor) -> bool:
+    """Whether two distinct cells of the 2-D `table` share memory (`as_strided` views, zero strides; exact: the
+    smallest non-zero (row, column) step that returns to one offset fits the shape)."""
+    (rows, cols), (s0, s1) = table.shape, table.stride()
+    if rows == 0 or cols == 0:
+        return False
+    s0, s1 = abs(s0), abs(s1)
+    if (s0 == 0 and rows > 1) or (s1 == 0 and cols > 1):
+        return True
+    if s0 == 0 or s1 == 0:
+        return False
+    g = np.gcd(s0, s1)
+    return bool(s1 // g < rows and s0 // g < cols)
+
+
+def refuse_self_overlap(table: torch.Tensor, name: str, given: torch.Tensor) -> None:
+    """Raise `StagedWriteError` naming the table, its shape and strides when its cells overlap in memory: writes to
+    distinct cells would hit one address, and no backend orders them (docs/backends.md)."""
+    if self_overlaps(table):
+        raise StagedWriteError(
+            f"{name}: a table whose cells overlap in memory (shape {shape_text(given.shape)}, strides "
+            f"{tuple(given.stride())}) is refused: writes to distinct cells would hit one address; stage into a "
+            "tensor whose cells are distinct (e.g. .contiguous(), written back by the caller)"
+        )

@@ -215,8 +215,7 @@ class StageCalls:
             step = self._step("prepare_inputs", idx_mapping, num_reqs_padded, query_start_loc, positions,
                               num_tokens_padded, is_padding, staged=not is_capturing(self.device),
                               num_computed_tokens=num_computed_tokens)  # fmt: skip
-            self._rows(step)
-            self._run(lambda: graph.stage(step, consume=True))
+            self._launch(lambda s: graph.stage(s, consume=True), step)
             return step.gathered(self._layout), step.slots(self._layout)
         refuse_capture(self._device, "BlockTables.prepare_inputs")
         if self._storage._version != self._guard.version:  # (one read when nothing was resized: the common case)
@@ -229,11 +228,7 @@ class StageCalls:
             num_computed_tokens,
         ) or self._step("prepare_inputs", idx_mapping, num_reqs_padded, query_start_loc, positions, num_tokens_padded,
                         is_padding, staged=True, num_computed_tokens=num_computed_tokens)  # fmt: skip
-        self._rows(step)
-        try:
-            self._plan.prepare(step)
-        except Exception as exc:
-            raise self._failure(exc) from exc
+        self._launch(self._plan.prepare, step)
         gathered = layout.gathered_views.get(step.num_reqs_padded)
         slots = layout.slot_views.get(step.num_tokens_padded)
         return (step.gathered(layout) if gathered is None else gathered), (
@@ -258,15 +253,7 @@ class StageCalls:
         step = StepInputs.on_device(self._layout, idx, padded, qsl, pos, tokens, pad, nct)
         if step is None:
             return None
-        if step.do_gather:
-            self._rows(step)
-        try:
-            if writes:
-                self._plan.prepare(step)
-            else:
-                self._plan.stage(step)
-        except Exception as exc:
-            raise self._failure(exc) from exc
+        self._launch(self._plan.prepare if writes else self._plan.stage, step)
         return step
 
     def _stage(self, what: str, apply_staged: bool, gather_outs, slots_out, *inputs, **named) -> StepInputs:
@@ -290,8 +277,6 @@ class StageCalls:
             gather_outs = _outputs(layout, what, gather_outs, step)
         if slots_out is not None:
             slots_out = _slot_output(layout, what, slots_out, step)
-        if gather_outs is None and step.do_gather:
-            self._rows(step)
         if gather_outs is not None or slots_out is not None:  # (the caller's outputs: the generic torch stage)
             if apply_staged:
                 self.apply_staged_writes()
@@ -299,19 +284,31 @@ class StageCalls:
         elif graph is not None:
             if apply_staged:
                 self.apply_staged_writes()
-            self._run(lambda: graph.stage(step, consume=False))
-        elif apply_staged and self._arena.num_writes:
-            self._run(lambda: self._plan.prepare(step))
+            self._launch(lambda s: graph.stage(s, consume=False), step)
         else:
-            self._run(lambda: self._plan.stage(step))
+            self._launch(self._plan.prepare if apply_staged and self._arena.num_writes else self._plan.stage, step)
         return step
 
-    def _rows(self, step: StepInputs) -> None:
-        """Rows a gather into `input_block_tables` writes: also those the last gather (or dummy) left past this one's
-        padded rows, zeroed (vLLM 0.33's rule). A captured gather bakes them in, as vLLM's capture would."""
-        if self._dirty_rows > step.num_rows:
-            step.num_rows = self._dirty_rows
-        self._dirty_rows = step.num_reqs
+    def _launch(self, job: Callable[[StepInputs], None], step: StepInputs) -> None:
+        """`job(step)`, a backend job that gathers into `input_block_tables` when `step.do_gather`. The rows it
+        writes include those the last gather (or dummy) left past this one's padded rows, zeroed (vLLM 0.33's rule;
+        a captured gather bakes them in, as vLLM's capture would). The count of rows it leaves non-zero moves only
+        once the launch was issued: not when the job raises an `Exception` (raised as `_failure`: it launched
+        nothing), to the larger of both counts on an interrupt (which may come either side of the launch)."""
+        gather = step.do_gather
+        dirty = self._dirty_rows
+        if gather and dirty > step.num_rows:
+            step.num_rows = dirty
+        try:
+            job(step)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        except BaseException:
+            if gather:
+                self._dirty_rows = max(dirty, step.num_reqs)
+            raise
+        if gather:
+            self._dirty_rows = step.num_reqs
 
     def _step(self, what: str, idx_mapping, num_reqs_padded=None, query_start_loc=None, positions=None,
               num_tokens_padded=None, is_padding=None, staged: bool = False, device_only: bool | None = None,
