@@ -324,19 +324,19 @@ def test_vllm_stages_the_groups_before_a_write_past_a_row(oracle, device):
     ],
     ids=["gather-below-minus-one", "gather-past-rows", "slots-below-minus-one", "slots-past-rows"],
 )
-def test_bad_request_rows_are_refused_naming_them(call, names):
-    """Host inputs (CPU tables and tensors here) are checked; the refused call applies nothing staged."""
-    from multiwrite.vllm import BlockTables
-
-    bt = BlockTables([4], 3, 8, [2], torch.device("cpu"))
+def test_bad_request_rows_are_refused_naming_them(ours, call, names):
+    """Host inputs (CPU tensors, whatever the tables' device) are checked; the refused call applies nothing staged.
+    (Issue 23, item 11: these tables were built on a hard-coded CPU device, which a run forcing a GPU backend fails.)
+    """
+    bt = ours([4], 3, 8, [2])
     bt.append_block_ids(0, ([1],), overwrite=True)
     with pytest.raises(ValueError) as e:
         call(bt, lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype))
     for name in names:
         assert name in str(e.value)
-    assert bt.block_tables[0].gpu.tolist() == [[0, 0]] * 3  # still staged, not applied
+    assert rows(bt.block_tables[0].gpu) == [[0, 0]] * 3  # still staged, not applied
     bt.apply_staged_writes()
-    assert bt.block_tables[0].gpu.tolist() == [[1, 0], [0, 0], [0, 0]]
+    assert rows(bt.block_tables[0].gpu) == [[1, 0], [0, 0], [0, 0]]
 
 
 def test_slots_past_two_to_the_31_are_exact(ours, t):
