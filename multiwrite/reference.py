@@ -341,7 +341,7 @@ def compute_slot_mappings_reference(
 
     This is the rank-local token stream written out one token at a time; it equals vLLM's virtual-block
     formula (ownership in manager-block coordinates, vllm-project/vllm PR #51031) whenever the interleave
-    divides the manager block size, which `BlockTables` requires.
+    divides the manager block size of every sharded group, which `BlockTables` requires.
     """
     out = np.full((len(tables), num_tokens_padded), PAD_SLOT_ID, dtype=np.int64)
     for b in range(len(idx_mapping)):

@@ -34,8 +34,8 @@ Designs (`STAGE_VARIANTS`):
 - `ours-batched`, `graph-mode-batched`: the same, with the step staged by ONE `append_block_ids_batch` call (its
   three lists built before the timed region) instead of a Python loop of `append_block_ids` calls.
 - `vllm-3-calls`: vLLM 0.33's call pattern through `multiwrite.vllm.BlockTables` (a loop of `append_block_ids`,
-  then `apply_staged_writes`, `gather_block_tables`, `compute_slot_mappings`; the apply deferred into the gather's
-  launch: two launches), with vLLM's block sizes as kernel block sizes (kernel block = block, G3's widths);
+  then `apply_staged_writes`, `gather_block_tables`, `compute_slot_mappings`: three launches), with vLLM's block
+  sizes as kernel block sizes (kernel block = block, G3's widths);
 - `vllm-0.33`: the same calls on vLLM 0.33's own `BlockTables` (`multiwrite.vllm.upstream`: an installed vLLM, or
   its two files from `MULTIWRITE_VLLM_SRC` / `MULTIWRITE_VLLM_WHEEL` with its buffers' non-UVA fallback); GPU only.
 

@@ -104,7 +104,7 @@ class Design:
 class VllmDesign(Design):
     """vLLM 0.33's call pattern on a `BlockTables` of its signature (`make`), kernel block = block."""
 
-    launches = "2"
+    launches = "3"
 
     def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
         bs, _ = CONFIGS[self.config]
@@ -130,7 +130,7 @@ class VllmDesign(Design):
 
 
 class VllmThreeCalls(VllmDesign):
-    """vLLM's three calls through `multiwrite.vllm.BlockTables` (the apply deferred into the gather's launch)."""
+    """vLLM's three calls through `multiwrite.vllm.BlockTables` (three launches, as vLLM's)."""
 
     name = "vllm-3-calls"
 

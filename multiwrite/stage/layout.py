@@ -137,7 +137,8 @@ class TablesLayout:
             StagedWriteError: no group, list lengths that differ from the number of groups, a block size not a
                 multiple of its kernel block size, sizes that are not positive integers, a row width or row count of
                 2**31 or more, `cp_rank` outside `[0, cp_size)`, a block size `cp_interleave` does not divide
-                (with `cp_size > 1`), per-group flags that are not bools or a negative reach.
+                (with `cp_size > 1`, in a group `dcp_sharded` leaves sharded), per-group flags that are not bools or a
+                negative reach.
         """
         self = cls()
         num_groups = len(block_sizes) if isinstance(block_sizes, Sequence) else -1
@@ -176,15 +177,16 @@ class TablesLayout:
         self.cp_interleave = _int("cp_interleave", cp_interleave, 1)
         if self.cp_rank >= self.cp_size:
             raise StagedWriteError(f"BlockTables: cp_rank {self.cp_rank} is outside [0, cp_size={self.cp_size})")
-        if self.cp_size > 1:
-            for g, bs in enumerate(self.block_sizes):
-                if bs % self.cp_interleave:
-                    raise StagedWriteError(
-                        f"BlockTables: group {g} block size {bs} is not a multiple of cp_interleave "
-                        f"{self.cp_interleave} (context parallelism deals whole interleave chunks of a block)"
-                    )
         self.slot_mapping_enabled = _flags("slot_mapping_enabled", slot_mapping_enabled, num_groups)
         self.dcp_sharded = _flags("dcp_sharded", dcp_sharded, num_groups)
+        if self.cp_size > 1:
+            for g, bs in enumerate(self.block_sizes):
+                if self.dcp_sharded[g] and bs % self.cp_interleave:  # (an unsharded group never uses the interleave)
+                    raise StagedWriteError(
+                        f"BlockTables: group {g} block size {bs} is not a multiple of cp_interleave "
+                        f"{self.cp_interleave} (context parallelism deals whole interleave chunks of a block; a group "
+                        "it does not shard, dcp_sharded False, may have any block size)"
+                    )
         reach = (
             [0] * num_groups if sliding_window_reach is None else _ints("sliding_window_reach", sliding_window_reach, 0)
         )

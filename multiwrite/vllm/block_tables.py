@@ -1,22 +1,20 @@
 """`BlockTables` with vLLM 0.33's constructor, methods and attributes (`vllm/v1/worker/gpu/block_table.py`), over
 multiwrite's own `BlockTables`: what `multiwrite.vllm.install()` puts in vLLM's model runner.
 
-Every job runs in the core (`multiwrite.tables.BlockTables`); this class maps vLLM's names onto it and keeps one
-policy of its own, the deferred apply (docs/vllm.md): `apply_staged_writes()` launches nothing, and the staged
-writes land in the same launch as the next `gather_block_tables` or `compute_slot_mappings` (vLLM's runner calls
-one of them next; nothing reads the tables in between). Anything else that needs the tables applied first flushes:
-the next `append_block_ids`, `init_block_table_layout_tensors`, and reading the `block_tables` or `num_blocks`
-attributes. `defer_apply=False` applies at once instead.
+Every job runs in the core (`multiwrite.tables.BlockTables`); this class maps vLLM's names onto it. Each call does
+what vLLM's does when vLLM's does it: `apply_staged_writes()` applies at once (one launch), the gather and the slot
+mappings are launches of their own (docs/vllm.md).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from multiwrite.errors import BlockTableWriteError, GraphCaptureError, StagedWriteError
+from multiwrite.errors import BlockTableWriteError, StagedWriteError
 from multiwrite.tables.block_tables import BlockTables as CoreBlockTables
 
 
@@ -68,7 +66,8 @@ class BlockTables:
             ignored when `cp_size > 1`).
         backend: keyword only: force a multiwrite backend by name.
         cuda_graphs: keyword only: multiwrite's graph mode (`commit_staged_writes` before each replay).
-        defer_apply: keyword only: land `apply_staged_writes()` in the next gather or slot-mapping launch.
+        defer_apply: keyword only, deprecated and without effect (a DeprecationWarning when given):
+            `apply_staged_writes()` always applies at once.
 
     Attributes:
         As vLLM's: `block_sizes`, `num_kv_cache_groups`, `max_num_reqs`, `max_num_batched_tokens`, `device`,
@@ -101,8 +100,16 @@ class BlockTables:
         *,
         backend: str | None = None,
         cuda_graphs: bool = False,
-        defer_apply: bool = True,
+        defer_apply: bool | None = None,
     ):
+        if defer_apply is not None:
+            warnings.warn(
+                "multiwrite.vllm.BlockTables(defer_apply=...) is deprecated and has no effect: apply_staged_writes() "
+                "always applies at once, as vLLM's does (the results never depended on it, only the launch count); "
+                "drop the argument",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         G = len(block_sizes)
         self.block_sizes = block_sizes
         self.num_kv_cache_groups = G
@@ -117,8 +124,6 @@ class BlockTables:
         enabled = [True] * G if slot_mapping_enabled is None else list(slot_mapping_enabled)
         sharded = [True] * G if dcp_sharded is None else list(dcp_sharded)
         reach = [0] * G if sliding_window_reach is None or cp_size > 1 else list(sliding_window_reach)
-        self._defer = defer_apply and not cuda_graphs
-        self._due = False
         self.core: CoreBlockTables | None = None
         if G:
             self.core = CoreBlockTables(
@@ -146,14 +151,12 @@ class BlockTables:
     # -- what vLLM reads ------------------------------------------------------------------------------------------
     @property
     def block_tables(self) -> list[GroupTable]:
-        """Per group the persistent table (`.gpu`), with every applied write landed (a deferred apply runs now)."""
-        self._flush()
+        """Per group the persistent table (`.gpu`)."""
         return self._tables
 
     @property
     def num_blocks(self) -> BlockCounts:
-        """Blocks per (group, request row): `.np` as staged, `.gpu` as applied (a deferred apply runs now)."""
-        self._flush()
+        """Blocks per (group, request row): `.np` as staged, `.gpu` as of the last apply."""
         return self._counts
 
     def init_block_table_layout_tensors(self) -> None:
@@ -161,7 +164,6 @@ class BlockTables:
         `slot_mapping_enabled`, `sliding_window_reach`, `input_block_table_ptrs`) and rewrite the backend's
         descriptors of the tables (`BlockTables.refresh_layout`), e.g. after vLLM's memory pool slept and woke."""
         if self.core is not None:
-            self._flush()
             self.core.refresh_layout()
         self._address_tensors()
 
@@ -186,11 +188,9 @@ class BlockTables:
             BlockTableWriteError: a write past a row's capacity (naming request, group and capacity), a row outside
                 the tables, ids that are not integers; nothing of the call is staged, for any group.
         """
-        if self._due or self.redirect_writes_to_null_block or len(new_block_ids) != self.num_kv_cache_groups:
+        if self.redirect_writes_to_null_block or len(new_block_ids) != self.num_kv_cache_groups:
             if self.core is None:
                 return
-            if req_index.__class__ is int and 0 <= req_index < self.max_num_reqs:  # (a bad row: refused, not flushed)
-                self._flush()
             new_block_ids = new_block_ids[: self.num_kv_cache_groups]
             if self.redirect_writes_to_null_block:
                 new_block_ids = [[0] * len(ids) for ids in new_block_ids]
@@ -200,15 +200,15 @@ class BlockTables:
             raise BlockTableWriteError(f"append_block_ids for request {req_index}: {exc}") from None
 
     def apply_staged_writes(self) -> None:
-        """Apply every group's staged writes: deferred to the next gather or slot-mapping launch (module docstring),
-        or at once with `defer_apply=False`."""
-        core = self.core
-        if core is None:
-            return
-        if self._defer:
-            self._due = True
-        else:
-            core.apply_staged_writes()
+        """Apply every group's staged writes and the new counts at once (the core's `apply_staged_writes`: one launch
+        on a GPU; graph mode: see `commit_staged_writes`).
+
+        Raises:
+            GraphCaptureError: during a CUDA graph capture without graph mode (nothing changed); and the errors of
+                the core's `apply_staged_writes`.
+        """
+        if self.core is not None:
+            self.core.apply_staged_writes()
 
     def gather_block_tables(
         self,
@@ -222,23 +222,18 @@ class BlockTables:
         `out[g][:num_reqs_padded]` (`out_ptrs`, their addresses for vLLM's kernel, is not needed).
 
         Raises:
-            StageInputError: bad inputs (nothing applied or gathered).
+            StageInputError: bad inputs (nothing gathered).
         """
         core = self.core
         if core is None:
             return ()
-        try:
-            views = core.gather_block_tables(idx_mapping, num_reqs_padded, out, num_computed_tokens, self._due)
-        except GraphCaptureError as exc:
-            raise _deferred_in_capture("gather_block_tables") from exc
-        self._due = False
-        return views
+        return core.gather_block_tables(idx_mapping, num_reqs_padded, out, num_computed_tokens)
 
     def get_dummy_block_tables(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
         """Zero the first `num_reqs` rows of `input_block_tables` (and rows a gather left) and return those views."""
         if self.core is None:
             return ()
-        return self.core.get_dummy_block_tables(num_reqs)  # (an apply writes no row of input_block_tables)
+        return self.core.get_dummy_block_tables(num_reqs)
 
     def compute_slot_mappings(
         self,
@@ -252,41 +247,24 @@ class BlockTables:
         `[num_groups, num_tokens_padded]`, a view of `slot_mappings` (or of `out`).
 
         Raises:
-            StageInputError: bad inputs (nothing applied or written).
+            StageInputError: bad inputs (nothing written).
         """
         core = self.core
         if core is None:
             return (self.slot_mappings if out is None else out)[:, :num_tokens_padded]
-        try:
-            slots = core.compute_slot_mappings(idx_mapping, query_start_loc, positions, num_tokens_padded, None, out,
-                                               self._due)  # fmt: skip
-        except GraphCaptureError as exc:
-            raise _deferred_in_capture("compute_slot_mappings") from exc
-        self._due = False
-        return slots
+        return core.compute_slot_mappings(idx_mapping, query_start_loc, positions, num_tokens_padded, None, out)
 
     def get_dummy_slot_mappings(self, num_tokens: int) -> torch.Tensor:
         """Fill the whole `slot_mappings` with PAD (-1) and return `slot_mappings[:, :num_tokens]`."""
         if self.core is None:
             return self.slot_mappings[:, :num_tokens]
-        return self.core.get_dummy_slot_mappings(num_tokens)  # (an apply writes no slot)
+        return self.core.get_dummy_slot_mappings(num_tokens)
 
     # -- multiwrite's extras --------------------------------------------------------------------------------------
     def commit_staged_writes(self) -> int:
         """Graph mode (`cuda_graphs=True`): publish the staged batch for the next replay (see the core's)."""
         assert self.core is not None, "commit_staged_writes: no KV-cache groups"
         return self.core.commit_staged_writes()
-
-    def _flush(self) -> None:
-        """Run a deferred apply now (it stays due if the apply raises: the next call applies it)."""
-        if self._due:
-            core = self.core
-            if core is not None and core.num_staged_writes:
-                try:
-                    core.apply_staged_writes()
-                except GraphCaptureError as exc:
-                    raise _deferred_in_capture("a read of the tables") from exc
-            self._due = False
 
     def __reduce_ex__(self, protocol: object) -> object:
         """Refused (`copy`, `pickle`), as the core's: the tables own device and staging memory.
@@ -301,14 +279,3 @@ class BlockTables:
 
     def __repr__(self) -> str:
         return f"multiwrite.vllm.BlockTables({self.core!r})"
-
-
-def _deferred_in_capture(call: str) -> GraphCaptureError:
-    """What a call during a CUDA graph capture raises when it would land a deferred apply (which a capture cannot
-    hold: it reads staging memory that each step rewrites)."""
-    return GraphCaptureError(
-        f"multiwrite.vllm.BlockTables: {call} during a CUDA graph capture would land the apply_staged_writes() "
-        "before it, which is deferred (defer_apply=True) and cannot be captured. Let an eager gather or slot mapping "
-        "(or a read of .block_tables) run it before capturing, or build with defer_apply=False. Nothing was "
-        "recorded; the writes stay staged and the apply stays due"
-    )

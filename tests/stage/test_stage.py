@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from multiwrite import Backend, BlockTables, StagedWriteError, StageInputError, TablesPlan, select_backend
-from multiwrite.reference import PAD_SLOT_ID
+from multiwrite.reference import PAD_SLOT_ID, compute_slot_mappings_reference
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.stage.step import StepInputs
 from multiwrite.staging.arena import StagingArena
@@ -144,6 +144,33 @@ def test_a_strided_view_as_an_input_is_read_as_torch_reads_it(backend, which):
                              [10 * 4 + 1, PAD_SLOT_ID, 6 * 4 + 0, 7 * 4 + 2, PAD_SLOT_ID, PAD_SLOT_ID]]  # fmt: skip
 
 
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_a_group_context_parallelism_does_not_shard_may_have_a_block_size_the_interleave_does_not_divide(
+    backend, cp_rank
+):
+    """Issue 23, item 7: such a group (a Mamba group, whose block size vLLM sets to max_model_len) was refused; it
+    never uses the interleave: every rank maps each of its tokens from the plain position. Group 0 (16 tokens,
+    sharded) is dealt to the 2 ranks in chunks of 4 over virtual blocks of 32 tokens; group 1 (10 tokens) is not."""
+    bt = BlockTables([16, 10], 2, [2, 4], backend.device, backend=backend.name, max_num_batched_tokens=8, cp_size=2,
+                     cp_rank=cp_rank, cp_interleave=4, dcp_sharded=[True, False])  # fmt: skip
+    bt.append_block_ids(1, ([5, 6], [7, 8, 9, 2]), overwrite=True)
+    positions = vec([0, 3, 4, 9, 10, 25, 31, 33], I64)
+    P = PAD_SLOT_ID
+    sharded = {
+        0: [5 * 16 + 0, 5 * 16 + 3, P, 5 * 16 + 5, 5 * 16 + 6, 5 * 16 + 13, P, 6 * 16 + 1],
+        1: [P, P, 5 * 16 + 0, P, P, P, 5 * 16 + 15, P],
+    }[cp_rank]
+    unsharded = [7 * 10 + 0, 7 * 10 + 3, 7 * 10 + 4, 7 * 10 + 9, 8 * 10 + 0, 9 * 10 + 5, 2 * 10 + 1, 2 * 10 + 3]
+    _, slots = bt.prepare_inputs(vec([1]), vec([0, 8]), positions, 1, 8)
+    assert host(slots).tolist() == [sharded, unsharded]
+    bt.slot_mappings.fill_(5)
+    assert host(bt.compute_slot_mappings(vec([1]), vec([0, 8]), positions, 8)).tolist() == [sharded, unsharded]
+    tables = [host(t.tensor) for t in bt.block_tables]
+    want = compute_slot_mappings_reference(tables, [16, 10], [1], [0, 8], host(positions).tolist(), 8, None, 2,
+                                           cp_rank, 4, dcp_sharded=[True, False])  # fmt: skip
+    assert want.tolist() == [sharded, unsharded]
+
+
 # -- persistent outputs and constructor checks -----------------------------------------------------------------
 def test_the_outputs_are_views_of_the_persistent_buffers_made_once_per_size():
     bt = BlockTables([16, 32], 6, [4, 4], "cpu", [16, 16], backend=CPU, max_num_batched_tokens=32)
@@ -176,6 +203,9 @@ def test_the_constructor_checks_the_stage_sizes():
         BlockTables([16], 2, [2], "cpu", backend=CPU, cp_size=2, cp_rank=2)
     with pytest.raises(StagedWriteError, match="group 1 block size 8 is not a multiple of cp_interleave 16"):
         BlockTables([16, 8], 2, [2, 2], "cpu", backend=CPU, cp_size=2, cp_interleave=16)
+    with pytest.raises(StagedWriteError, match="group 0 block size 10 is not a multiple of cp_interleave 4"):
+        BlockTables([10, 10], 2, [2, 2], "cpu", backend=CPU, cp_size=2, cp_interleave=4, dcp_sharded=[True, False])
+    BlockTables([16, 10], 2, [2, 2], "cpu", backend=CPU, cp_size=2, cp_interleave=4, dcp_sharded=[True, False])
     with pytest.raises(StagedWriteError, match="max_num_batched_tokens must be >= 1, got 0"):
         BlockTables([16], 2, [2], "cpu", backend=CPU, max_num_batched_tokens=0)
     with pytest.raises(StagedWriteError, match="cp_size must be >= 1, got 0"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 MAX_BLOCK_ID = 1 << 20  # times a block size of at most 1024: below 2**31
@@ -110,8 +110,9 @@ class _Request:
 
 
 def random_config(rng: random.Random, groups: int | None = None, cp_size: int | None = None) -> Config:
-    """A configuration: 0-3 groups (mostly 1-3), cp 1/2/4 with any rank and an interleave dividing the block sizes,
-    random enabled/sharded flags and sliding windows."""
+    """A configuration: 0-3 groups (mostly 1-3), cp 1/2/4 with any rank and an interleave dividing the block sizes of
+    the sharded groups (those it leaves unsharded are sometimes odd), random enabled/sharded flags and sliding
+    windows."""
     g = rng.choice([0, 1, 1, 2, 2, 3, 3]) if groups is None else groups
     cp = rng.choice([1, 1, 2, 4]) if cp_size is None else cp_size
     sizes = [rng.choice([4, 8, 16, 32]) for _ in range(g)]
@@ -121,7 +122,7 @@ def random_config(rng: random.Random, groups: int | None = None, cp_size: int | 
     for s in sizes:
         # A sharded group's entries cover cp blocks; replicated ones one: wide enough for either.
         widths.append(math.ceil(max_tokens / s) + rng.randint(0, 2))
-    return Config(
+    cfg = Config(
         block_sizes=sizes,
         max_num_reqs=rng.randint(2, 8),
         max_num_batched_tokens=rng.choice([32, 64, 128]),
@@ -133,6 +134,12 @@ def random_config(rng: random.Random, groups: int | None = None, cp_size: int | 
         dcp_sharded=None if rng.random() < 0.4 else [rng.random() < 0.7 for _ in range(g)],
         sliding_window_reach=None if rng.random() < 0.4 else [rng.choice([0, 0, 1, 5, 16, 40]) for _ in range(g)],
     )
+    if cfg.dcp_sharded and not all(cfg.dcp_sharded) and cfg.max_num_reqs % 2 == 0:
+        # A group context parallelism does not shard may have a block size no interleave divides (vLLM sets a Mamba
+        # group's to max_model_len); decided without a draw, so that the rest of the scenario stays as it was.
+        odd = [s + 1 if not sharded else s for s, sharded in zip(sizes, cfg.dcp_sharded)]
+        cfg = replace(cfg, block_sizes=odd)
+    return cfg
 
 
 def scenario(seed: int, steps: int = 8, config: Config | None = None) -> Scenario:

@@ -1,10 +1,12 @@
 """`multiwrite.vllm.BlockTables`: vLLM 0.33's surface (constructor order, attributes and their types, shapes and
-addresses), its own policies (the deferred apply and what flushes it, the null-block redirect, zero groups), and its
-errors (a write past a row is a `RuntimeError` that stages nothing for any group), on every backend."""
+addresses), its own policies (an apply at once, the deprecated `defer_apply`, the null-block redirect, zero
+groups), and its errors (a write past a row is a `RuntimeError` that stages nothing for any group), on every backend."""
 
 from __future__ import annotations
 
+import enum
 import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -73,33 +75,62 @@ def test_a_write_past_a_row_is_a_runtime_error_naming_request_group_and_capacity
     assert host(out[0]).tolist() == [[1, 2, 0, 0]] and host(out[1]).tolist() == [[3, 0]]
 
 
-def test_a_deferred_apply_lands_in_the_next_launch_and_anything_that_reads_the_tables_first_flushes_it(backend):
-    d = backend.device
+def test_an_apply_lands_at_once_as_vllms_does(backend):
+    """Issue 23, item 3: the apply was deferred into the next gather or slot mapping; a kernel (or a CUDA graph
+    replay) reading the tables in between saw them without the step's writes. Read here through the core, which
+    never ran a deferred apply."""
     bt = tables(backend)
     bt.append_block_ids(0, ([1, 2], [3]), True)
     bt.apply_staged_writes()
-    assert bt.core.num_staged_writes > 0  # deferred: nothing launched yet
-    out = bt.gather_block_tables(vec([0], d), 1)
-    assert host(out[0]).tolist() == [[1, 2, 0, 0]] and bt.core.num_staged_writes == 0
-    bt.append_block_ids(0, ([4], [5]), False)
+    assert bt.core.num_staged_writes == 0
+    assert host(bt.core[0].tensor)[0].tolist() == [1, 2, 0, 0] and host(bt.core[1].tensor)[0].tolist() == [3, 0]
+    assert host(bt.core.num_blocks_device)[:, 0].tolist() == [2, 1]
+    bt.append_block_ids(0, ([4], [5]), False)  # staged, not applied: the device tables do not change
+    assert host(bt.block_tables[0].gpu)[0].tolist() == [1, 2, 0, 0] and host(bt.num_blocks.gpu)[:, 0].tolist() == [2, 1]
     bt.apply_staged_writes()
-    slots = bt.compute_slot_mappings(vec([0], d), vec([0, 1], d), vec([33], d), 2)  # blocks 2 and 1: ids 4 and 5
-    assert host(slots).tolist() == [[4 * 16 + 1, -1], [5 * 32 + 1, -1]] and bt.core.num_staged_writes == 0
-    bt.append_block_ids(1, ([5], [6]), True)
-    bt.apply_staged_writes()
-    assert host(bt.block_tables[0].gpu)[1, 0] == 5  # reading the attribute flushed it
-    bt.append_block_ids(1, ([7], []), False)
-    bt.apply_staged_writes()
-    bt.append_block_ids(1, ([8], []), False)  # a write staged after an apply does not join it: it flushes first
-    assert bt.core.num_staged_writes == 2 and host(bt.core.num_blocks_device)[0, 1] == 2
-    assert bt.num_blocks.gpu is bt.core.num_blocks_device
+    assert host(bt.core[0].tensor)[0].tolist() == [1, 2, 4, 0] and host(bt.core[1].tensor)[0].tolist() == [3, 5]
+    assert bt.num_blocks.gpu is bt.core.num_blocks_device and bt.block_tables[0].gpu is bt.core[0].tensor
 
 
-def test_an_apply_at_once_without_deferral(backend):
-    bt = BlockTables([4], 2, 8, [2], backend.device, backend=backend.name, defer_apply=False)
+@pytest.mark.parametrize("defer_apply", [True, False])
+def test_defer_apply_is_deprecated_and_changes_nothing(backend, defer_apply):
+    with pytest.warns(DeprecationWarning, match=r"defer_apply=.*no effect.*applies at once"):
+        bt = BlockTables([4], 2, 8, [2], backend.device, backend=backend.name, defer_apply=defer_apply)
     bt.append_block_ids(0, ([1, 2],), True)
     bt.apply_staged_writes()
     assert bt.core.num_staged_writes == 0 and host(bt.core[0].tensor)[0].tolist() == [1, 2]
+
+
+def test_no_warning_without_defer_apply(backend):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        BlockTables([4], 2, 8, [2], backend.device, backend=backend.name)
+
+
+class Row(enum.IntEnum):
+    ONE = 1
+
+
+@pytest.mark.parametrize(
+    "row", [np.int64(1), np.int32(1), Row.ONE, torch.tensor(1)], ids=["np.int64", "np.int32", "IntEnum", "0-d"]
+)
+def test_a_row_of_any_integer_type_after_an_apply_stays_staged_until_the_next_apply(backend, row):
+    """Issue 23, item 3 (b): a row that is not a Python int skipped the flush of the deferred apply and joined its
+    batch, so that a read of the tables before the next apply showed its writes."""
+    d = backend.device
+    bt = tables(backend)
+    bt.append_block_ids(1, ([1, 2], [3]), True)
+    bt.apply_staged_writes()
+    bt.append_block_ids(row, ([4], [5]), False)
+    assert [host(t.gpu)[1].tolist() for t in bt.block_tables] == [[1, 2, 0, 0], [3, 0]]  # as the first apply left it
+    assert host(bt.num_blocks.gpu)[:, 1].tolist() == [2, 1] and bt.num_blocks.np[:, 1].tolist() == [3, 2]
+    bt.apply_staged_writes()
+    assert [host(t.gpu)[1].tolist() for t in bt.block_tables] == [[1, 2, 4, 0], [3, 5]]
+    assert host(bt.num_blocks.gpu)[:, 1].tolist() == [3, 2]
+    gathered = bt.gather_block_tables(vec([1], d), 1)
+    assert host(gathered[0]).tolist() == [[1, 2, 4, 0]] and host(gathered[1]).tolist() == [[3, 5]]
+    slots = bt.compute_slot_mappings(vec([1], d), vec([0, 2], d), vec([33, 40], d, torch.int64), 2)
+    assert host(slots).tolist() == [[4 * 16 + 1, 4 * 16 + 8], [5 * 32 + 1, 5 * 32 + 8]]
 
 
 def test_the_null_block_redirect_stages_zeros_and_still_counts(backend):
@@ -144,8 +175,8 @@ def test_dummies_zero_and_pad_at_the_persistent_addresses(backend):
     assert slots.shape == (2, 7) and (host(bt.slot_mappings) == -1).all()
 
 
-def test_zero_kv_cache_groups_work():
-    bt = BlockTables([], 4, 16, [], torch.device("cpu"))
+def test_zero_kv_cache_groups_work(backend):
+    bt = BlockTables([], 4, 16, [], backend.device, backend=backend.name)
     bt.append_block_ids(0, (), True)
     bt.apply_staged_writes()
     assert bt.gather_block_tables(torch.tensor([0]), 1) == () and bt.get_dummy_block_tables(2) == ()
@@ -161,29 +192,26 @@ def test_a_host_entry_below_minus_one_or_past_the_rows_is_refused_and_nothing_ap
     for bad, value in (([0, -2], -2), ([4], 4)):
         with pytest.raises(StageInputError, match=rf"idx_mapping\[\d\]={value} is outside"):
             bt.gather_block_tables(torch.tensor(bad), 2)
-        assert bt.core.num_staged_writes > 0  # the deferred apply is still due
     assert host(bt.gather_block_tables(torch.tensor([0]), 1)[0]).tolist() == [[1, 0, 0, 0]]
 
 
-def test_the_tables_cannot_be_copied_or_pickled():
+def test_the_tables_cannot_be_copied_or_pickled(backend):
+    """Issue 23, item 11: built on a hard-coded CPU device, this failed in a run forcing a GPU backend."""
     import copy
     import pickle
 
-    bt = BlockTables([4], 2, 8, [4], torch.device("cpu"))
+    bt = BlockTables([4], 2, 8, [4], backend.device, backend=backend.name)
     for action in (copy.copy, copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match="cannot be copied or pickled"):
             action(bt)
 
 
-def test_a_refused_append_to_a_bad_row_leaves_the_due_apply_due(backend):
-    """Found by review: a refused call landed the deferred apply before refusing (nothing of a refused call runs)."""
+def test_a_refused_append_to_a_bad_row_stages_nothing(backend):
     bt = tables(backend)
     bt.append_block_ids(0, ([1], [2]), True)
-    bt.apply_staged_writes()
     staged = bt.core.num_staged_writes
     with pytest.raises(RuntimeError, match="request row 9"):
         bt.append_block_ids(9, ([3], [4]), True)
-    bt.get_dummy_block_tables(2)
-    bt.get_dummy_slot_mappings(3)
-    assert bt.core.num_staged_writes == staged and host(bt.core.num_blocks_device).sum() == 0  # still due
+    assert bt.core.num_staged_writes == staged and bt.num_blocks.np.sum() == 2
+    bt.apply_staged_writes()
     assert host(bt.gather_block_tables(vec([0], backend.device), 1)[0]).tolist() == [[1, 0, 0, 0]]

@@ -101,6 +101,30 @@ def test_dcp_shards_only_sharded_groups(make, t, cp_rank, device):
     assert rows(sm[1]) == [(20 + p // 128) * 128 + p % 128 for p in range(1024)]
 
 
+@pytest.mark.parametrize("cp_rank", range(2))
+def test_dcp_leaves_an_unsharded_group_of_any_block_size_whole(make, t, cp_rank, device):
+    """A Mamba group (vLLM sets its block size to max_model_len, here 100) that context parallelism does not shard:
+    cp_interleave 8 need not divide its block size (issue 23, item 7: multiwrite refused it); every rank maps every
+    token from the plain position."""
+    bt = make([16, 100], 2, 100, [4, 1], cp_size=2, cp_rank=cp_rank, cp_interleave=8, dcp_sharded=[True, False])
+    bt.append_block_ids(1, ([3, 4, 5, 6], [12]), overwrite=True)
+    bt.apply_staged_writes()
+    sm = bt.compute_slot_mappings(t([1]), t([0, 100]), torch.arange(100, device=device), num_tokens_padded=100)
+    assert rows(sm[1]) == [12 * 100 + p for p in range(100)]
+    # sharded: an entry is a virtual block of 2 x 16 tokens, dealt in chunks of 8: rank r owns chunks r, r + 2, ...
+    expected = []
+    for p in range(100):
+        entry, within = divmod(p, 32)
+        local = (within // 16) * 8 + within % 8
+        expected.append([3, 4, 5, 6][entry] * 16 + local if (within // 8) % 2 == cp_rank else PAD)
+    assert rows(sm[0]) == expected
+    hand = {
+        0: {0: 3 * 16, 8: PAD, 16: 3 * 16 + 8, 32: 4 * 16, 99: 6 * 16 + 3},
+        1: {0: PAD, 8: 3 * 16, 24: 3 * 16 + 8, 99: PAD},
+    }
+    assert {p: expected[p] for p in hand[cp_rank]} == hand[cp_rank]
+
+
 @pytest.mark.parametrize(
     "cp_rank, expected",
     [
@@ -300,19 +324,19 @@ def test_vllm_stages_the_groups_before_a_write_past_a_row(oracle, device):
     ],
     ids=["gather-below-minus-one", "gather-past-rows", "slots-below-minus-one", "slots-past-rows"],
 )
-def test_bad_request_rows_are_refused_naming_them(call, names):
-    """Host inputs (CPU tables and tensors here) are checked; the refused call applies nothing staged."""
-    from multiwrite.vllm import BlockTables
-
-    bt = BlockTables([4], 3, 8, [2], torch.device("cpu"))
+def test_bad_request_rows_are_refused_naming_them(ours, call, names):
+    """Host inputs (CPU tensors, whatever the tables' device) are checked; the refused call applies nothing staged.
+    (Issue 23, item 11: these tables were built on a hard-coded CPU device, which a run forcing a GPU backend fails.)
+    """
+    bt = ours([4], 3, 8, [2])
     bt.append_block_ids(0, ([1],), overwrite=True)
     with pytest.raises(ValueError) as e:
         call(bt, lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype))
     for name in names:
         assert name in str(e.value)
-    assert bt.block_tables[0].gpu.tolist() == [[0, 0]] * 3  # still staged, not applied
+    assert rows(bt.block_tables[0].gpu) == [[0, 0]] * 3  # still staged, not applied
     bt.apply_staged_writes()
-    assert bt.block_tables[0].gpu.tolist() == [[1, 0], [0, 0], [0, 0]]
+    assert rows(bt.block_tables[0].gpu) == [[1, 0], [0, 0], [0, 0]]
 
 
 def test_slots_past_two_to_the_31_are_exact(ours, t):
