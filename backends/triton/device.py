@@ -198,7 +198,7 @@ class TritonDevice:
         try:
             token = lease.next_token()
             lease.keep = keep
-            ring.leases[lease.slot] = lease
+            ring.handed_over(lease)
             args = (*lead, ring.counter_addrs[lease.slot], lease.done_addr, token, *tail)
             fire = launcher.fire.get(variant)
             if fire is not None and self.index == get_device():  # (`Launcher.launch`'s common case, one call less)

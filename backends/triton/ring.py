@@ -97,6 +97,10 @@ class SlotRing(StagingBuffers):
         interrupted before it adopts the new memory keeps staging into, and launching, the old one."""
         return self._slot(lease.slot, write_capacity, value_capacity, lease.token)
 
+    def handed_over(self, lease: Lease) -> None:
+        """Record `lease` as the memory of its slot: the one the slot's completion word guards from now on."""
+        self.leases[lease.slot] = lease
+
     def release(self, lease: Lease) -> None:
         """`lease`, acquired for an apply that failed before its launch, goes back: the next `acquire` returns it."""
         if (lease.slot + 1) % self.depth == self.next and self.leases[lease.slot] is lease:

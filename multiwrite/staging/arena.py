@@ -82,6 +82,11 @@ class StagingBuffers:
         """`lease`, acquired and never staged into nor launched, goes back (an apply that failed before its
         launch)."""
 
+    def handed_over(self, lease: Lease) -> None:
+        """`lease` (an arena's memory, perhaps grown since it was lent) is about to be read by a kernel: a launch,
+        or a graph-mode publish that a consume kernel reads. A lender whose slots are guarded by completion words
+        records it as the memory its slot's word now guards (the next `acquire` of that slot waits on it)."""
+
     def close(self) -> None:
         """The arena is being destroyed: its memory may be freed once no launched kernel reads it."""
 
@@ -208,7 +213,8 @@ class StagingArena(ArenaFields):
         if lender is None:
             return None
         lease = lender.acquire(0, 0, why)
-        if lease is self.lease:
+        own = self.lease  # (by slot too: the arena's lease may be a grown copy of the lender's record of it)
+        if lease is own or 0 <= lease.slot == own.slot:
             lease = lender.acquire(0, 0, why)
         return lease
 

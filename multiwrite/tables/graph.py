@@ -103,6 +103,8 @@ class GraphMode:
         lease = None
         if w and not inline:
             lease = arena.next_lease(lambda why: self._full("a free staging slot", why, call))
+            if lease is not None:
+                arena.lender.handed_over(arena.lease)  # the consume kernel reads this memory, guarded by its slot's word
         published = ring.published
         try:
             return ring.publish(arena, lease, ticketed, rounds)

@@ -210,3 +210,20 @@ def test_the_stall_of_an_eager_call_names_it_and_never_prints_a_negative_count(s
     m.check("the queued launch")
     m.eager_apply()
     m.check("the eager apply, again")
+
+
+@pytest.mark.parametrize("depth", [2, 8])
+def test_batches_that_outgrow_their_staging_slot_are_waited_for_on_the_grown_memory(short_waits, depth):
+    """A batch larger than its slot's memory (8 full rows: 1144 values, over the 1024 a slot starts with) grows the
+    arena's lease; the consume kernel that reads it stores its token into the slot's word, and the next time round
+    the ring must wait on the grown memory's token, not on the memory it replaced. (On the H200, before the fix,
+    the ring kept its record of the replaced memory: every later commit that needed that slot stalled for 10 s
+    although the batch had long been applied.)"""
+    m = GraphModel(ring_depth=depth, reqs=8, widths=WIDE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RingWaitWarning)
+        for step in range(2 * depth + 1):
+            fill(m, range(8), seed=step)
+            m.commit()
+            m.replay()
+            m.check(f"step {step}")
