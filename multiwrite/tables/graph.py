@@ -104,7 +104,7 @@ class GraphMode:
         if w and not inline:
             lease = arena.next_lease(lambda why: self._full("a free staging slot", why, call))
             if lease is not None:
-                arena.lender.handed_over(arena.lease)  # the consume kernel reads this memory, guarded by its slot's word
+                arena.lender.handed_over(arena.lease)  # the consume kernel reads it: its slot's word guards it
         published = ring.published
         try:
             return ring.publish(arena, lease, ticketed, rounds)
