@@ -208,15 +208,15 @@ def download_wheel(dest: Path) -> Path:
 
 
 def fetch_wheel(dest: Path, cache: Path | None = None) -> Path:
-    """vLLM 0.33.0's wheel at `dest`, from the cache (`cache_dir()` unless given) when it holds a good copy
-    (`cached_wheel_problem`), else downloaded into the cache first; `dest` is then a hard link to the cached file
-    (a copy across file systems). Returns `dest`."""
+    """vLLM 0.33.0's wheel at `dest`: kept when `dest` is already there (a tox env's second run), else taken from the
+    cache (`cache_dir()` unless given) when it holds a good copy (`cached_wheel_problem`), else downloaded into the
+    cache first; `dest` is then a hard link to the cached file (a copy across file systems). Returns `dest`."""
     import shutil
 
+    if dest.is_file():
+        return dest
     cached = (cache or cache_dir()) / WHEEL_NAME
     problem = cached_wheel_problem(cached)
-    if problem is None and dest.is_file() and os.path.samefile(dest, cached):
-        return dest
     if problem is not None:
         if problem != "not cached":
             print(f"tests.vllm.oracle: {problem}: downloading it again", file=sys.stderr)
@@ -248,8 +248,8 @@ def extract(wheel: Path, dest: Path) -> Path:
                 os.environ[name] = value
 
 
-USAGE = """usage: python -m tests.vllm.oracle fetch DEST.whl      vLLM 0.33.0's wheel at DEST.whl, from the cache
-                                                 ($XDG_CACHE_HOME/multiwrite, ~/.cache/multiwrite), else downloaded
+USAGE = """usage: python -m tests.vllm.oracle fetch DEST.whl      vLLM 0.33.0's wheel at DEST.whl unless it exists,
+                                                 from the cache ($XDG_CACHE_HOME/multiwrite), else downloaded
        python -m tests.vllm.oracle extract WHEEL DIR    copy block_table.py and buffer_utils.py into DIR"""
 
 if __name__ == "__main__":
