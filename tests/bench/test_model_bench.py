@@ -18,7 +18,8 @@ from multiwrite.workload import load_trace
 from tests.support import SMALL_TRACE
 
 ARGS = ["bench", "--quick", "--trace", SMALL_TRACE, "--warmup", "0", "--no-progress", "--device", "cpu",
-        "--configs", "G1", "--concurrency", "40", "--burst-reps", "0", "--model", "--model-preset", "tiny"]  # fmt: skip
+        "--configs", "G1", "--concurrency", "40", "--burst-reps", "0", "--model", "--model-preset", "tiny",
+        "--attention", "flex-paged"]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
