@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from multiwrite.plugins.hookspecs import hookimpl
 from multiwrite.version import __version__
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve lazily (`__getattr__`)
@@ -29,11 +28,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     )
     from multiwrite.plugins.backend import Backend, GraphPlan, TablesPlan, WriteBatch
     from multiwrite.plugins.dispatch import BackendStatus, available_backends, get_plugin_manager, select_backend
+    from multiwrite.plugins.hookspecs import hookimpl
     from multiwrite.staging.table import StagedWriteTensor
     from multiwrite.tables.block_tables import BlockTables
     from multiwrite.writer import FusedStagedWriter, apply_writes
 
-#: Where each public name lives. `import multiwrite` stays light (no torch, no numpy) so that the
+#: Where each public name lives. `import multiwrite` stays light (no torch, no numpy, no pluggy) so that the
 #: `multiwrite` command installs its Ctrl-C handling before anything heavy loads; each name is imported
 #: from its module on first use (PEP 562).
 _LAZY = {
@@ -46,6 +46,7 @@ _LAZY = {
     "available_backends": "multiwrite.plugins.dispatch",
     "get_plugin_manager": "multiwrite.plugins.dispatch",
     "select_backend": "multiwrite.plugins.dispatch",
+    "hookimpl": "multiwrite.plugins.hookspecs",
     "BackendError": "multiwrite.errors",
     "BackendUnavailableError": "multiwrite.errors",
     "BlockTableWriteError": "multiwrite.errors",

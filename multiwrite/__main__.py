@@ -1,7 +1,10 @@
-"""`python -m multiwrite`: the `multiwrite` command."""
+"""`python -m multiwrite` (and `python -m multiwrite.cli`): the `multiwrite` command."""
 
 import sys
 
-from multiwrite.cli import main
-
+try:
+    from multiwrite.cli import main
+except KeyboardInterrupt:  # Ctrl-C while `multiwrite.cli` itself loads, before `main` is there to say it as it does
+    sys.stderr.write("multiwrite: interrupted\n")
+    sys.exit(130)  # multiwrite.cli.exit_codes.EXIT_INTERRUPTED
 sys.exit(main())

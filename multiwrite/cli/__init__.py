@@ -1,42 +1,38 @@
 """The `multiwrite` command: one module per subcommand, registered in `SUBCOMMANDS`.
 
-`main` maps what a subcommand raises to the documented exit codes (`args.EXIT_CODES_HELP`): bad input and sizes
+`main` maps what a subcommand raises to the documented exit codes (`exit_codes.EXIT_CODES_HELP`): bad input and sizes
 that cannot fit exit 2 with one line, any other error exits 3 with one line (the traceback behind `--debug`),
-Ctrl-C exits 130 quietly.
+Ctrl-C exits 130 with one line.
 
-Modules: `args` (what every subcommand shares: argument types, exit codes, refusals, the progress bar), then one
-per subcommand: `replay`, `info`, `bench`, `check_backend`, each with `add_parser(sub, common)` (which sets
-`func`, the function that runs it and returns the exit code). Every one of them imports only argparse and `args`
-at its top, and `build_parser` imports each when it registers it (the `replay` and `bench` parsers read the
-workload's constants for their help: numpy, never torch); what a subcommand runs with (torch, the library) is
-imported when it runs. So `import multiwrite.cli` stays light, and even an interrupt while torch is loading ends
-quietly (`main` catches it).
+Modules: `exit_codes` (constants, no imports), `args` (what every subcommand shares: argument types, refusals, the
+progress bar), then one per subcommand: `replay`, `info`, `bench`, `check_backend`, each with `add_parser(sub,
+common)` (which sets `func`, the function that runs it and returns the exit code). Every one of them imports only
+argparse and `args` at its top, and `build_parser` imports each when it registers it (the `replay` and `bench`
+parsers read the workload's constants for their help: numpy, never torch); what a subcommand runs with (torch, the
+library) is imported when it runs.
+
+Ctrl-C at any moment: this module imports only `sys` and `exit_codes` at its top, so everything else the command
+loads (argparse included) loads inside `main`'s `try`. An interrupt can leave a module half-initialized (torch's
+C extension loaded, `torch` itself gone from `sys.modules`); importing it again crashes or fails with a misleading
+error, so nothing on the way from the interrupt to the exit imports anything: the `except` clauses that an interrupt
+passes test classes already loaded (`_known_errors`), never import them.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
 import sys
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from multiwrite.cli.args import (
-    EXIT_BROKEN_PIPE,
-    EXIT_CODES_HELP,
-    EXIT_INTERNAL,
-    EXIT_INTERRUPTED,
-    EXIT_USAGE,
-    OneLineParser,
-    RefusedError,
-    UsageError,
-    common_options,
-)
+from multiwrite.cli.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
 
 #: One entry per subcommand: a function that adds its parser to the `multiwrite` subparsers (and sets
 #: `func`, the function that runs it and returns the exit code). A new subcommand is one more module and entry.
-AddParser = Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None]
+AddParser = Callable[["argparse._SubParsersAction", "argparse.ArgumentParser"], None]
 
 
 def _add_replay(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -73,6 +69,8 @@ SUBCOMMANDS: dict[str, AddParser] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `multiwrite` command, every entry of `SUBCOMMANDS` registered."""
+    from multiwrite.cli.args import EXIT_CODES_HELP, OneLineParser, common_options
+
     parser = OneLineParser(
         prog="multiwrite",
         description="Fused block-table writes for paged-KV-cache LLM serving.",
@@ -85,26 +83,112 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input (exit 2, one line): imported here so that `main` catches them."""
-    from multiwrite.environment import DeviceError
-    from multiwrite.errors import BackendUnavailableError, StagedWriteError
-    from multiwrite.workload import TraceError
+#: Errors that mean bad input (exit 2, one line): (module, class name).
+KNOWN_ERRORS = (
+    ("multiwrite.workload", "TraceError"),
+    ("multiwrite.errors", "StagedWriteError"),
+    ("multiwrite.errors", "BackendUnavailableError"),
+    ("multiwrite.environment", "DeviceError"),
+    ("multiwrite.cli.args", "RefusedError"),
+)
 
-    return (TraceError, StagedWriteError, BackendUnavailableError, DeviceError, RefusedError)
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    """The classes of `KNOWN_ERRORS` whose modules are loaded, without importing any: an exception of a class whose
+    module never loaded cannot exist, and an import here (an `except` clause that every exception passing `main`
+    evaluates) could meet a module an interrupt left half-initialized."""
+    found = (getattr(sys.modules.get(module), name, None) for module, name in KNOWN_ERRORS)
+    return tuple(cls for cls in found if isinstance(cls, type) and issubclass(cls, BaseException))
 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+class _Run:
+    """What `main` knows of the run so far, for its messages: the parsed arguments once parsed, and whether a
+    SIGINT arrived (recorded by `on_sigint`, so that an interrupt that some code turned into another error, or
+    swallowed, still ends the command as interrupted)."""
+
+    def __init__(self) -> None:
+        self.args: argparse.Namespace | None = None
+        self.interrupted = False
+
+    def where(self) -> str:
+        return f" {self.args.command}" if self.args is not None else ""
+
+    def on_sigint(self, signum: int, frame: object) -> None:
+        """The SIGINT handler while `main` runs: record it, then interrupt as Python's own handler does."""
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def on_unraisable(self, unraisable: object) -> None:
+        """`sys.unraisablehook` while `main` runs: an interrupt raised where Python cannot propagate it (a callback
+        inside the import machinery, a finalizer) is recorded instead of printed; others go to the previous hook."""
+        if isinstance(getattr(unraisable, "exc_value", None), KeyboardInterrupt):
+            self.interrupted = True
+        else:
+            self.previous_unraisable(unraisable)
+
+    def watch(self) -> Callable[[], None]:
+        """Install `on_sigint` (where Python's own handler is in place, in the main thread) and `on_unraisable`;
+        returns the function that puts back what was there."""
+        import signal
+
+        self.previous_unraisable = sys.unraisablehook
+        sys.unraisablehook = self.on_unraisable
+        handler = signal.getsignal(signal.SIGINT)
+        ours = handler is signal.default_int_handler
+        if ours:
+            try:
+                signal.signal(signal.SIGINT, self.on_sigint)
+            except ValueError:  # not the main thread: Python's handler stays
+                ours = False
+
+        def restore() -> None:
+            if ours:
+                signal.signal(signal.SIGINT, handler)
+            sys.unraisablehook = self.previous_unraisable
+
+        return restore
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `multiwrite` console script; returns the exit code (see `EXIT_CODES_HELP`)."""
-    args = None
+    """Entry point of the `multiwrite` console script; returns the exit code (see `EXIT_CODES_HELP`).
+
+    Ctrl-C at any moment (while the command loads, runs or reports another error) returns `EXIT_INTERRUPTED` after
+    one line on stderr."""
+    run = _Run()
+    code = EXIT_INTERRUPTED
+    restore = None
     try:
+        restore = run.watch()
+        code = _main(argv, run)
+    except KeyboardInterrupt:
+        run.interrupted = True
+    finally:
+        if restore is not None:
+            restore()
+    if not run.interrupted:
+        return code
+    try:
+        print(f"multiwrite{run.where()}: interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, OSError):  # a second Ctrl-C, or no stderr: the exit code still says it
+        pass
+    return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None, run: _Run) -> int:
+    """`main` without its interrupt handling (every `KeyboardInterrupt` passes through)."""
+    import contextlib
+    import os
+
+    try:
+        from multiwrite.cli.args import UsageError
+
         parser = build_parser()
         try:
-            args = parser.parse_args(argv)
+            run.args = args = parser.parse_args(argv)
         except SystemExit:
             sys.stdout.flush()  # after --help: a closed pipe shows here, not at the interpreter's exit
             raise
@@ -116,20 +200,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.parser.error(str(exc))  # argparse's format, exit code 2
             return EXIT_USAGE  # pragma: no cover (error() exits)
         except _known_errors() as exc:
+            if run.interrupted:  # (an interrupt that some code turned into this error: `main` says interrupted)
+                return EXIT_INTERRUPTED
             print(f"multiwrite {args.command}: error: {_one_line(exc)}", file=sys.stderr)
             return EXIT_USAGE
     except BrokenPipeError:  # the reader went away (`| head`): nothing left to say, nowhere to say it
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except KeyboardInterrupt:
-        print(f"multiwrite{' ' + args.command if args else ''}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except Exception as exc:
-        debug = bool(getattr(args, "debug", False))
+        if run.interrupted:  # (numpy, for one, turns an interrupt of its C extension's import into an ImportError)
+            return EXIT_INTERRUPTED
+        import traceback
+
+        debug = bool(getattr(run.args, "debug", False))
         if debug:
             traceback.print_exc()
-        where = f" {args.command}" if args is not None else ""
         hint = "" if debug else "; run with --debug for the traceback"
-        print(f"multiwrite{where}: internal error: {type(exc).__name__}: {_one_line(exc)}{hint}", file=sys.stderr)
+        print(f"multiwrite{run.where()}: internal error: {type(exc).__name__}: {_one_line(exc)}{hint}", file=sys.stderr)
         return EXIT_INTERNAL

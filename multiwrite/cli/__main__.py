@@ -1,7 +1,3 @@
-"""`python -m multiwrite.cli`: the `multiwrite` command (as `python -m multiwrite`)."""
+"""`python -m multiwrite.cli`: the `multiwrite` command (as `python -m multiwrite`, whose entry this runs)."""
 
-import sys
-
-from multiwrite.cli import main
-
-sys.exit(main())
+import multiwrite.__main__  # noqa: F401 (importing it runs the command)

@@ -1,8 +1,8 @@
 """What every `multiwrite` subcommand shares: its parser and common options, argument types, exit codes, refusals,
 the progress bar.
 
-The lowest floor of the command line: it imports nothing of multiwrite (and nothing heavy), so `multiwrite.cli`
-and every subcommand module build on it without importing each other.
+The lowest floor of the command line: it imports nothing of multiwrite but `multiwrite.cli.exit_codes` (and nothing
+heavy), so `multiwrite.cli` and every subcommand module build on it without importing each other.
 """
 
 from __future__ import annotations
@@ -14,19 +14,14 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-#: Exit codes of the `multiwrite` command (printed by `--help`, listed in README.md).
-EXIT_OK = 0
-EXIT_MISMATCH = 1  # a table differed from the reference
-EXIT_USAGE = 2  # bad arguments or input, refused before the run (one line on stderr)
-EXIT_INTERNAL = 3  # any other error (one line; the traceback with --debug)
-EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it)
-EXIT_BROKEN_PIPE = 141  # the output's reader went away, e.g. `| head` (128 + SIGPIPE)
-
-EXIT_CODES_HELP = (
-    "exit codes: 0 success; 1 a table differed from the reference; 2 bad arguments or input, or sizes that "
-    "cannot fit, refused before the run; 3 any other error (one line, --debug prints the traceback); "
-    "130 interrupted (Ctrl-C); 141 the output pipe closed (e.g. | head)"
-)
+# The exit codes live in a module that imports nothing (`multiwrite.cli` needs them before anything loads).
+from multiwrite.cli.exit_codes import EXIT_BROKEN_PIPE as EXIT_BROKEN_PIPE
+from multiwrite.cli.exit_codes import EXIT_CODES_HELP as EXIT_CODES_HELP
+from multiwrite.cli.exit_codes import EXIT_INTERNAL as EXIT_INTERNAL
+from multiwrite.cli.exit_codes import EXIT_INTERRUPTED as EXIT_INTERRUPTED
+from multiwrite.cli.exit_codes import EXIT_MISMATCH as EXIT_MISMATCH
+from multiwrite.cli.exit_codes import EXIT_OK as EXIT_OK
+from multiwrite.cli.exit_codes import EXIT_USAGE as EXIT_USAGE
 
 
 class UsageError(ValueError):

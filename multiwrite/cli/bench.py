@@ -95,7 +95,8 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small run for a smoke test: G1,G3, 120 steps, small burst; its goal verdicts are indicative only",
+        help="small run for a smoke test: G1,G3, 120 steps, small burst; with --model, 60 model steps and on a CPU the "
+        "tiny preset (about a minute on 2 cores; it says what it chose); its goal verdicts are indicative only",
     )
     add_trace_option(p, MAX_PROMPT_TOKENS)
     p.add_argument("--configs", type=config_list, help=f"configurations among {','.join(CONFIGS)} (all)")
@@ -299,6 +300,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from multiwrite.cli.bench_model import model_options, model_plot_path
 
     model = model_options(args, opts, device)
+    if model is not None and model.chosen:
+        print(model.chosen, flush=True)  # before the run: what it will take is what this says
     if args.launch:
         from multiwrite.plugins.dispatch import available_backends
 

@@ -14,6 +14,11 @@ from multiwrite.cli.args import RefusedError, UsageError, positive_int
 
 #: The presets of `--model-preset` (`multiwrite.bench.model.PRESETS`), named here so that `--help` stays light.
 PRESET_NAMES = ("llama-8b", "small", "tiny")
+#: What `--quick --model` runs unless `--model-preset` or `--model-steps` say otherwise: on a CPU the tiny preset
+#: with sdpa-gathered attention (FlexAttention unfused reads every page of the cache at each step), everywhere this
+#: many scheduler steps per concurrency.
+QUICK_CPU_PRESET = "tiny"
+QUICK_MODEL_STEPS = 60
 ATTENTION_NAMES = ("auto", "flex-paged", "sdpa-gathered")
 
 MODEL_HELP = (
@@ -31,12 +36,14 @@ MODEL_HELP = (
 
 @dataclass
 class ModelOptions:
-    """What `--model` runs: the preset's name, the attention implementation, scheduler steps and warm-up steps."""
+    """What `--model` runs: the preset's name, the attention implementation, scheduler steps and warm-up steps;
+    `chosen`: the line saying what `--quick` chose in place of the defaults (empty when it chose nothing)."""
 
     preset: str
     attention: str
     steps: int
     warmup: int
+    chosen: str = ""
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -47,7 +54,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         choices=PRESET_NAMES,
         help="the stack of --model: llama-8b (Llama-3-8B's shape: 32 layers, hidden 4096, 32/8 heads of 128, MLP "
         "14336; default on a GPU), small (about 1B: 16 layers, hidden 2048, 32/8 heads of 64, MLP 8192; default "
-        "on a CPU), tiny (tests)",
+        "on a CPU), tiny (tests; default of --quick on a CPU)",
     )
     p.add_argument(
         "--attention",
@@ -60,8 +67,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model-steps",
         type=positive_int,
-        help="scheduler steps of --model per concurrency (default: --steps); the model runs on the decode steps "
-        "after --warmup",
+        help="scheduler steps of --model per concurrency (default: --steps; 60 with --quick); the model runs on the "
+        "decode steps after --warmup",
     )
 
 
@@ -78,12 +85,21 @@ def model_options(args: argparse.Namespace, steps: Any, device: Any) -> ModelOpt
         if given:
             raise UsageError(f"argument {given[0]}: only with --model")
         return None
-    opts = ModelOptions(
-        args.model_preset or ("llama-8b" if device.type == "cuda" else "small"),
-        args.attention,
-        args.model_steps or steps.steps,
-        steps.warmup,
-    )
+    preset = args.model_preset or ("llama-8b" if device.type == "cuda" else "small")
+    model_steps = args.model_steps or steps.steps
+    chosen = []
+    if args.quick and not args.model_preset and device.type != "cuda":
+        preset = QUICK_CPU_PRESET
+        chosen.append(f"--model-preset {preset}")
+    if args.quick and not args.model_steps:
+        model_steps = QUICK_MODEL_STEPS
+        chosen.append(f"--model-steps {model_steps}")
+    attention = args.attention
+    if args.quick and attention == "auto" and device.type != "cuda":  # (unfused flex-paged reads the whole cache)
+        attention = "sdpa-gathered"
+        chosen.append(f"--attention {attention}")
+    note = f"--quick --model: {', '.join(chosen)} (a smoke test; give these options to choose)" if chosen else ""
+    opts = ModelOptions(preset, attention, model_steps, steps.warmup, note)
     if opts.warmup >= opts.steps:
         raise UsageError(f"argument --model-steps: {opts.warmup} warm-up steps leave none of {opts.steps} to measure")
     refuse_if_it_cannot_fit(opts, steps.concurrency, args.trace, device)

@@ -138,22 +138,42 @@ def _vllm_modules() -> list[tuple[str, dict]]:
             if name.split(".")[0] == "vllm" and isinstance(getattr(m, "__dict__", None), dict)]  # fmt: skip
 
 
+def _import_failure(e: ImportError) -> str:
+    """Why `BLOCK_TABLE_MODULE` did not import: vLLM absent, vLLM without that module, or vLLM present but failing
+    to import (one of its own dependencies missing, or broken), the missing module named."""
+    import importlib.metadata
+
+    missing = e.name if isinstance(e, ModuleNotFoundError) else None
+    if missing == "vllm":
+        return f"vLLM is not installed (cannot import {BLOCK_TABLE_MODULE}: {e})"
+    try:
+        version = f"vLLM {importlib.metadata.version('vllm')}"
+    except importlib.metadata.PackageNotFoundError:
+        version = "vLLM"
+    parts = BLOCK_TABLE_MODULE.split(".")
+    if missing in {".".join(parts[:i]) for i in range(2, len(parts) + 1)}:
+        return (f"cannot import {BLOCK_TABLE_MODULE}: {version} is installed but has no module {missing} ({e}); "
+                "multiwrite.vllm needs vLLM's v2 model runner, as in vLLM 0.33")  # fmt: skip
+    cause = f"module {missing!r} is missing" if missing else f"{type(e).__name__}: {e}"
+    return (f"cannot import {BLOCK_TABLE_MODULE}: {version} is installed but failed to import ({cause}: a dependency "
+            f"of vLLM's not installed, or a broken install; importing {BLOCK_TABLE_MODULE} yourself shows the "
+            "traceback)")  # fmt: skip
+
+
 def install() -> list[str]:
     """Replace vLLM's `BlockTables` with `multiwrite.vllm.BlockTables` in `vllm.v1.worker.gpu.block_table` and in
     every `vllm` module already imported that holds vLLM's class (`vllm.v1.worker.gpu.model_runner` among them).
 
     Returns the names of the modules rebound (none when multiwrite's class is already in place: calling it again is
     harmless). Raises `UnsupportedVllmError`, replacing nothing, when vLLM's block-table module cannot be imported
-    or its class differs from vLLM 0.33's (the message names each difference).
+    (the message tells vLLM absent from vLLM present but failing to import, naming the missing module) or its class
+    differs from vLLM 0.33's (the message names each difference).
     """
     global _original
     try:
         module = importlib.import_module(BLOCK_TABLE_MODULE)
     except ImportError as e:
-        raise UnsupportedVllmError(
-            f"multiwrite.vllm.install(): cannot import {BLOCK_TABLE_MODULE} ({e}): it needs vLLM's v2 model "
-            "runner, as in vLLM 0.33"
-        ) from e
+        raise UnsupportedVllmError(f"multiwrite.vllm.install(): {_import_failure(e)}") from e
     found = getattr(module, "BlockTables", None)
     ours = _ours_if_loaded()
     if ours is not None and isinstance(found, type) and issubclass(found, ours):

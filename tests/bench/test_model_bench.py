@@ -18,7 +18,8 @@ from multiwrite.workload import load_trace
 from tests.support import SMALL_TRACE
 
 ARGS = ["bench", "--quick", "--trace", SMALL_TRACE, "--warmup", "0", "--no-progress", "--device", "cpu",
-        "--configs", "G1", "--concurrency", "40", "--burst-reps", "0", "--model", "--model-preset", "tiny"]  # fmt: skip
+        "--configs", "G1", "--concurrency", "40", "--burst-reps", "0", "--model", "--model-preset", "tiny",
+        "--attention", "flex-paged"]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -162,3 +163,29 @@ def test_the_small_preset_runs_and_verifies_on_cpu(capsys):
     assert main([*args, "--steps", "10", "--model-steps", "10"]) == 0
     printed = capsys.readouterr().out
     assert "model (--model): a decode step of small" in printed and "verification: OK" in printed
+
+
+@pytest.mark.parametrize(
+    ("extra", "device", "expected", "line"),
+    [
+        ((), "cpu", ("tiny", "sdpa-gathered", 60),
+         "--quick --model: --model-preset tiny, --model-steps 60, --attention sdpa-gathered (a smoke test; "),
+        (("--model-preset", "small", "--model-steps", "30", "--attention", "flex-paged"), "cpu",
+         ("small", "flex-paged", 30), ""),
+        ((), "cuda", ("llama-8b", "auto", 60), "--quick --model: --model-steps 60 (a smoke test; "),
+    ],
+    ids=["cpu", "cpu-chosen-by-hand", "cuda"],
+)
+def test_quick_model_picks_a_smoke_test_and_says_so(monkeypatch, extra, device, expected, line):
+    """`--quick --model` on a CPU: the tiny preset, few steps, gathered SDPA, each named in one line; options given
+    by hand win and are not named. (The fit check is left out: this tests the choice, not a run.)"""
+    import torch
+
+    from multiwrite.cli import bench_model, build_parser
+    from multiwrite.cli.bench import options_from_args
+
+    monkeypatch.setattr(bench_model, "refuse_if_it_cannot_fit", lambda *a: None)
+    args = build_parser().parse_args(["bench", "--quick", "--model", *extra])
+    opts = bench_model.model_options(args, options_from_args(args), torch.device(device))
+    assert (opts.preset, opts.attention, opts.steps) == expected
+    assert opts.chosen.startswith(line) if line else opts.chosen == ""

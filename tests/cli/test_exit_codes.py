@@ -182,6 +182,42 @@ def test_ctrl_c_during_a_replay_ends_quietly_with_130(tmp_path):
     assert stderr.strip() == "multiwrite replay: interrupted" and stdout == ""
 
 
+# A child that says when its interpreter's own start-up is over (before that, Python's handling of SIGINT is all
+# there is), then runs the command as the console script does or as `python -m multiwrite` does.
+ENTRIES = {
+    "console-script": "sys.argv[0] = 'multiwrite'; from multiwrite.cli import main; sys.exit(main())",
+    "python -m": "import runpy; runpy.run_module('multiwrite', run_name='__main__', alter_sys=True)",
+}
+# From the first imports (argparse, the library, numpy, torch: about 0.3-2 s on a 2-core machine) into the run. (0.0
+# would land in the child's own `import` statement, outside multiwrite's code.)
+DELAYS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.8, 1.2, 2.0, 3.0)
+LONG_REPLAY = ("replay", "--steps", "100000000", *CPU)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_ctrl_c_at_any_moment_of_the_first_seconds_ends_with_130_and_one_line(entry):
+    code = f"import sys; sys.stderr.write('started\\n'); sys.stderr.flush(); sys.argv[1:] = {list(LONG_REPLAY)!r}; "
+    outcomes = []
+    for delay in DELAYS:
+        proc = subprocess.Popen([sys.executable, "-c", code + ENTRIES[entry]], env=subprocess_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert proc.stderr.readline() == "started\n"
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        outcomes.append((delay, proc.returncode, stderr))
+    for delay, rc, stderr in outcomes:
+        line = one_line_error(stderr)  # one line, no traceback
+        assert rc == 130 and line in ("multiwrite: interrupted", "multiwrite replay: interrupted"), (delay, stderr)
+    assert outcomes[-1][2].strip() == "multiwrite replay: interrupted"  # by 3 s the arguments were parsed
+
+
 @pytest.mark.parametrize("buffering", ["buffered", "unbuffered"])
 @pytest.mark.parametrize(
     "argv",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import os
@@ -258,7 +259,37 @@ def test_not_a_class_and_no_vllm_are_refused(vllm_tree, monkeypatch):
     assert mods["vllm.v1.worker.gpu.model_runner"].BlockTables is not ours()
 
 
-@pytest.mark.parametrize("value, installed", [("1", True), (None, False), ("0", False), ("yes", False)])
+def test_no_vllm_is_told_from_a_vllm_that_fails_to_import(vllm_tree, monkeypatch, tmp_path):
+    """Only `vllm` itself missing means "not installed"; vLLM present whose block-table module imports a missing
+    module (one of vLLM's dependencies) or fails otherwise is named as such, the missing module named."""
+    mods = vllm_tree(stand_in_class())
+    gpu = mods["vllm.v1.worker.gpu"]
+    monkeypatch.delitem(sys.modules, "vllm.v1.worker.gpu.block_table")
+    monkeypatch.setattr(gpu, "__path__", [str(tmp_path)])  # block_table now imports from tmp_path
+    (tmp_path / "block_table.py").write_text("import a_dependency_of_vllm_not_installed\n")
+    with pytest.raises(UnsupportedVllmError) as info:
+        install()
+    message = str(info.value)
+    assert "vLLM is installed but failed to import (module 'a_dependency_of_vllm_not_installed' is missing" in message
+    assert "not installed (" not in message and "vLLM is not installed" not in message
+    (tmp_path / "block_table.py").write_text("from os import no_such_name_in_os\n")
+    importlib.invalidate_caches()
+    with pytest.raises(UnsupportedVllmError, match=r"is installed but failed to import \(ImportError: cannot import "
+                       r"name 'no_such_name_in_os' from 'os'"):  # fmt: skip
+        install()
+    for name in [n for n in sys.modules if n.split(".")[0] == "vllm"]:  # no vLLM at all
+        monkeypatch.delitem(sys.modules, name)
+    if importlib.util.find_spec("vllm") is None:  # (where vLLM is installed for real, this part cannot run)
+        with pytest.raises(UnsupportedVllmError, match=r"^multiwrite\.vllm\.install\(\): vLLM is not installed \("):
+            install()
+    assert mods["vllm.v1.worker.gpu.model_runner"].BlockTables is not ours()
+
+
+ON_VALUES = ["1", "true", "TRUE", "Yes", "on", " on "]
+OFF_VALUES = [None, "", "0", "false", "False", "no", "OFF"]
+
+
+@pytest.mark.parametrize(("value", "installed"), [(v, True) for v in ON_VALUES] + [(v, False) for v in OFF_VALUES])
 def test_entry_point_honours_multiwrite_vllm(vllm_tree, monkeypatch, value, installed):
     mods = vllm_tree(stand_in_class())
     if value is None:
@@ -267,6 +298,17 @@ def test_entry_point_honours_multiwrite_vllm(vllm_tree, monkeypatch, value, inst
         monkeypatch.setenv("MULTIWRITE_VLLM", value)
     register()
     assert (mods["vllm.v1.worker.gpu.model_runner"].BlockTables is ours()) is installed
+
+
+@pytest.mark.parametrize("value", ["2", "enable", "y", "true1", "-1"])
+def test_entry_point_refuses_a_value_that_is_neither_on_nor_off_naming_it_and_the_words(vllm_tree, monkeypatch, value):
+    mods = vllm_tree(stand_in_class())
+    monkeypatch.setenv("MULTIWRITE_VLLM", value)
+    with pytest.raises(ValueError) as info:
+        register()
+    assert str(info.value).startswith(f"MULTIWRITE_VLLM={value!r} is neither on (1, true, yes, on) nor off (0, false, "
+                                      "no, off or empty), case-insensitive; ")  # fmt: skip
+    assert all(m.BlockTables is not ours() for m in mods.values() if hasattr(m, "BlockTables"))
 
 
 def test_entry_point_refuses_an_unsupported_vllm(vllm_tree, monkeypatch):
