@@ -15,11 +15,11 @@ OVERLAPPING = {
     "a zero row stride": lambda: torch.zeros(8, dtype=torch.int32).as_strided((4, 8), (0, 1)),
     "columns overlapping": lambda: torch.zeros(64, dtype=torch.int32).as_strided((2, 3), (2, 1)),
 }
-DISTINCT = {
-    "contiguous": lambda: torch.zeros(4, 8, dtype=torch.int32),
-    "transposed": lambda: torch.zeros(8, 4, dtype=torch.int32).t(),
-    "interleaved": lambda: torch.zeros(64, dtype=torch.int32).as_strided((2, 3), (3, 2)),  # offsets 0 2 4 3 5 7
-    "one column, zero stride": lambda: torch.zeros(4, dtype=torch.int32).as_strided((4, 1), (1, 0)),
+DISTINCT = {  # (built on the device under test: a forced GPU backend runs them there)
+    "contiguous": lambda dev: torch.zeros(4, 8, dtype=torch.int32, device=dev),
+    "transposed": lambda dev: torch.zeros(8, 4, dtype=torch.int32, device=dev).t(),
+    "interleaved": lambda dev: torch.zeros(64, dtype=torch.int32, device=dev).as_strided((2, 3), (3, 2)),  # 0 2 4 3 5 7
+    "one column, zero stride": lambda dev: torch.zeros(4, dtype=torch.int32, device=dev).as_strided((4, 1), (1, 0)),
 }
 
 
@@ -46,13 +46,13 @@ def test_overlapping_cells_are_found(make):
 
 
 @pytest.mark.parametrize("make", list(DISTINCT))
-def test_distinct_cells_are_not_refused(make):
-    table = DISTINCT[make]()
+def test_distinct_cells_are_not_refused(backend, make):
+    table = DISTINCT[make](backend.device)
     assert not self_overlaps(table)
-    t = StagedWriteTensor(tuple(table.shape), torch.int32, name="t")
+    t = StagedWriteTensor(tuple(table.shape), torch.int32, backend.device, name="t")
     t.tensor = table
     t.stage_write(table.shape[0] - 1, 0, [5] * table.shape[1])
-    FusedStagedWriter("cpu").apply([t])
+    FusedStagedWriter(backend.device, backend.name).apply([t])
     assert table[-1].tolist() == [5] * table.shape[1]
 
 
