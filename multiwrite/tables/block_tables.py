@@ -236,6 +236,8 @@ class BlockTables(BlockIdStaging, StageCalls):
             BackendError: the backend failed; every staged write (the `num_blocks` row included) stays staged and
                 `num_blocks` keeps the staged counts, so calling this again lands them all.
             RingStallError: staging memory a kernel reads was never released (see `multiwrite.errors`).
+            GraphProtocolError: graph mode, outside a capture: a mis-pairing the device recorded (see
+                `commit_staged_writes`); nothing was published or applied.
         """
         if self.graph is not None:
             return self._run(self.graph.apply_staged_writes)
@@ -250,7 +252,7 @@ class BlockTables(BlockIdStaging, StageCalls):
 
     def commit_staged_writes(self) -> int:
         """Graph mode: publish the staged batch as the batch of the NEXT replay of a captured graph (host work only:
-        a few stores into pinned memory). Commit exactly once before each replay, also when nothing is staged.
+        a few stores into pinned memory). Commit exactly once, right before each replay, also when nothing is staged.
 
         Returns:
             The header index of the batch (0, 1, ... in commit order).
@@ -258,6 +260,8 @@ class BlockTables(BlockIdStaging, StageCalls):
         Raises:
             StagedWriteError: the tables are not in graph mode, or were resized in place.
             RingStallError: the header or ticket ring stayed full of what no run consumed; nothing was committed.
+            GraphProtocolError: the device recorded a mis-pairing (a replay without its commit, or a commit with no
+                replay before an eager apply) not reported yet; nothing was committed, the pairing is restored.
         """
         if self.graph is None:
             raise StagedWriteError(
