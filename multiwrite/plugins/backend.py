@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from multiwrite.errors import BackendError, BackendUnavailableError, StagedWriteError
+from multiwrite.errors import BackendError, StagedWriteError
+from multiwrite.plugins.checked import lender
 from multiwrite.stage.torch_stage import run_stage_torch
 from multiwrite.staging.arena import Lease, StagingArena, StagingBuffers
 from multiwrite.staging.layout import (
@@ -232,14 +233,6 @@ def backend_error(
     )
 
 
-def refuse_unsupported(backend: Backend, device: torch.device) -> Backend:
-    """`backend` when it reports no reason against `device`, else `BackendUnavailableError` with its reasons."""
-    reasons = backend.not_supported_reasons(device)
-    if reasons:
-        raise BackendUnavailableError(f"backend {backend.NAME!r} cannot run on {device}: {'; '.join(reasons)}")
-    return backend
-
-
 def remember(cache: dict, key: Any, value: Any, limit: int, lock: threading.Lock) -> None:
     """Store `value` under `key` in `cache`, a backend's per-layout cache (plans, descriptors): a dict read without a
     lock (one lookup is atomic) and filled under `lock`, where the oldest entries go first so that at most `limit`
@@ -278,9 +271,9 @@ class TablesPlan:
         self.layout = layout
         self.arena = arena
         self.tables = [*layout.tables, layout.counts_table]
-        lender = backend.staging_buffers(layout.device, np.int32)
-        if lender is not None:
-            arena.attach(lender)
+        lent = lender(backend, layout.device, np.int32)
+        if lent is not None:
+            arena.attach(lent)
 
     def batch(self) -> WriteBatch:
         """The arena's staged writes as the `WriteBatch` `Backend.apply` receives (checked, read in place)."""
