@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from multiwrite.errors import BackendError, StagedWriteError
-from multiwrite.plugins.checked import lender
+from multiwrite.plugins.checked import broken, lender, shown
 from multiwrite.stage.torch_stage import run_stage_torch
 from multiwrite.staging.arena import Lease, StagingArena, StagingBuffers
 from multiwrite.staging.layout import (
@@ -231,6 +231,30 @@ def backend_error(
         backend,
         names,
     )
+
+
+def plan_of(backend: Backend, layout: TablesLayout, arena: StagingArena) -> TablesPlan:
+    """`backend.plan(layout, arena)`, checked to be a `TablesPlan` (`multiwrite.plugins.checked`).
+
+    Raises:
+        BackendContractError: it returned anything else; the backend is set aside (what it raises propagates).
+    """
+    value = backend.plan(layout, arena)
+    if not isinstance(value, TablesPlan):
+        raise broken(backend, f"plan() returned {shown(value)}, not a TablesPlan")
+    return value
+
+
+def graph_plan_of(backend: Backend, layout: TablesLayout, arena: StagingArena) -> GraphPlan | None:
+    """`backend.graph_plan(layout, arena)`, checked to be a `GraphPlan` or None (no graph mode).
+
+    Raises:
+        BackendContractError: it returned anything else; the backend is set aside (what it raises propagates).
+    """
+    value = backend.graph_plan(layout, arena)
+    if value is not None and not isinstance(value, GraphPlan):
+        raise broken(backend, f"graph_plan() returned {shown(value)}, not a GraphPlan or None")
+    return value
 
 
 def remember(cache: dict, key: Any, value: Any, limit: int, lock: threading.Lock) -> None:

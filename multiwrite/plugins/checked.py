@@ -1,11 +1,12 @@
 """The host's checks of every value it reads from a backend: one function per value, called where it is read.
 
 A declaration (`NAME`, `PRIORITY`, `SUPPORTED_DEVICE_TYPES`, `SUPPORTED_DTYPES`) that is of the wrong type or
-raises when read, or a method result of the wrong type (`priority`, `not_supported_reasons`, `staging_buffers`,
-`plan`, `graph_plan`), is a `BackendContractError` naming the backend, the attribute and the value found, with what
-is accepted; the backend is then set aside for the process (`set_aside_reason`): dispatch lists it as unavailable
-with that reason and never selects it again (until `reload_plugins`). What a method raises is not checked here: it
-reaches the caller (dispatch lists it as a reason). The contract is docs/backends.md.
+raises when read, or a method result of the wrong type (`priority`, `not_supported_reasons`, `staging_buffers`; `plan`
+and `graph_plan` in `multiwrite.plugins.backend`, `plan_of` and `graph_plan_of`), is a `BackendContractError` naming
+the backend, the attribute and the value found, with what is accepted; the backend is then set aside for the process
+(`set_aside_reason`): dispatch lists it as unavailable with that reason and never selects it again (until
+`reload_plugins`). What a method raises is not checked here: it reaches the caller (dispatch lists it as a reason).
+The contract is docs/backends.md.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ from multiwrite.staging.layout import SUPPORTED_DTYPES, dtype_name
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from multiwrite.plugins.backend import Backend, GraphPlan, TablesPlan
-    from multiwrite.stage.layout import TablesLayout
-    from multiwrite.staging.arena import StagingArena
+    from multiwrite.plugins.backend import Backend
 
 _COLLECTIONS = (set, frozenset, list, tuple)
 _DTYPES = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
@@ -82,8 +81,9 @@ def shown(value: Any) -> str:
     return f"{text} ({'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind})"
 
 
-def _broken(backend: Backend, what: str) -> BackendContractError:
-    """Set `backend` aside with the reason `what` (its first reason stays) and return the error to raise."""
+def broken(backend: Backend, what: str) -> BackendContractError:
+    """Set `backend` aside with the reason `what` (`ATTRIBUTE=VALUE ...`; its first reason stays) and return the
+    `BackendContractError` to raise."""
     name = _valid_name(backend)
     reason = f"{describe(backend)}: {what}"
     with _lock:
@@ -115,7 +115,7 @@ def _read(backend: Backend, attr: str) -> Any:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # SystemExit too: no plugin stops the host program
-        raise _broken(backend, f"reading {attr} raised {type(exc).__name__}: {exc}") from exc
+        raise broken(backend, f"reading {attr} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _integer(value: Any) -> int | None:
@@ -138,20 +138,20 @@ def declared(backend: Backend) -> tuple[str, int]:
     _refuse_set_aside(backend)
     name = _read(backend, "NAME")
     if not isinstance(name, str) or not name:
-        raise _broken(backend, f"NAME={shown(name)} is not a name (allowed: a non-empty str, e.g. 'numpy-cpu')")
+        raise broken(backend, f"NAME={shown(name)} is not a name (allowed: a non-empty str, e.g. 'numpy-cpu')")
     priority = _read(backend, "PRIORITY")
     if _integer(priority) is None:
-        raise _broken(backend, f"PRIORITY={shown(priority)} is not an int (allowed: an int, e.g. 50 to 90 for a "
+        raise broken(backend, f"PRIORITY={shown(priority)} is not an int (allowed: an int, e.g. 50 to 90 for a "
                                "device no built-in serves, above 100 to override a built-in)")  # fmt: skip
     types = _read(backend, "SUPPORTED_DEVICE_TYPES")
     bad = _first_bad(types, lambda t: isinstance(t, str) and bool(t))
     if bad is not None:
-        raise _broken(backend, f"SUPPORTED_DEVICE_TYPES={shown(types)}{bad} (allowed: a frozenset of torch device "
+        raise broken(backend, f"SUPPORTED_DEVICE_TYPES={shown(types)}{bad} (allowed: a frozenset of torch device "
                                "type names, e.g. frozenset({'cpu'}))")  # fmt: skip
     dtypes = _read(backend, "SUPPORTED_DTYPES")
     bad = _first_bad(dtypes, lambda d: isinstance(d, torch.dtype))
     if bad is not None:
-        raise _broken(backend, f"SUPPORTED_DTYPES={shown(dtypes)}{bad} (allowed: a frozenset of torch dtypes, of "
+        raise broken(backend, f"SUPPORTED_DTYPES={shown(dtypes)}{bad} (allowed: a frozenset of torch dtypes, of "
                                f"{_DTYPES})")  # fmt: skip
     return name, operator.index(priority)
 
@@ -174,7 +174,7 @@ def device_priority(backend: Backend, device: torch.device) -> int:
     """
     value = backend.priority(device)
     if _integer(value) is None:
-        raise _broken(backend, f"priority({device}) returned {shown(value)}, not an int")
+        raise broken(backend, f"priority({device}) returned {shown(value)}, not an int")
     return operator.index(value)
 
 
@@ -189,13 +189,13 @@ def device_reasons(backend: Backend, device: torch.device, dtypes: Iterable[torc
     """
     value = backend.not_supported_reasons(device, tuple(dtypes))
     if isinstance(value, str):
-        raise _broken(backend, f"not_supported_reasons({device}) returned {shown(value)}, not a list of str: return "
+        raise broken(backend, f"not_supported_reasons({device}) returned {shown(value)}, not a list of str: return "
                                f"[{value!r}] (or [] when it can run)")  # fmt: skip
     if not isinstance(value, (list, tuple)):
-        raise _broken(backend, f"not_supported_reasons({device}) returned {shown(value)}, not a list of str")
+        raise broken(backend, f"not_supported_reasons({device}) returned {shown(value)}, not a list of str")
     for item in value:
         if not isinstance(item, str):
-            raise _broken(backend, f"not_supported_reasons({device}) returned a list holding {shown(item)}, not a "
+            raise broken(backend, f"not_supported_reasons({device}) returned a list holding {shown(item)}, not a "
                                    "list of str")  # fmt: skip
     return list(value)
 
@@ -218,34 +218,6 @@ def lender(backend: Backend, device: torch.device, np_dtype: type[np.generic]) -
     """
     value = backend.staging_buffers(device, np_dtype)
     if value is not None and not isinstance(value, StagingBuffers):
-        raise _broken(backend, f"staging_buffers({device}, {np.dtype(np_dtype).name}) returned {shown(value)}, not "
+        raise broken(backend, f"staging_buffers({device}, {np.dtype(np_dtype).name}) returned {shown(value)}, not "
                                "a StagingBuffers or None")  # fmt: skip
-    return value
-
-
-def tables_plan(backend: Backend, layout: TablesLayout, arena: StagingArena) -> TablesPlan:
-    """`backend.plan(layout, arena)`, checked to be a `TablesPlan`.
-
-    Raises:
-        BackendContractError: it returned anything else (what it raises propagates as it is).
-    """
-    from multiwrite.plugins.backend import TablesPlan
-
-    value = backend.plan(layout, arena)
-    if not isinstance(value, TablesPlan):
-        raise _broken(backend, f"plan() returned {shown(value)}, not a TablesPlan")
-    return value
-
-
-def graph_plan(backend: Backend, layout: TablesLayout, arena: StagingArena) -> GraphPlan | None:
-    """`backend.graph_plan(layout, arena)`, checked to be a `GraphPlan` or None (no graph mode).
-
-    Raises:
-        BackendContractError: it returned anything else (what it raises propagates as it is).
-    """
-    from multiwrite.plugins.backend import GraphPlan
-
-    value = backend.graph_plan(layout, arena)
-    if value is not None and not isinstance(value, GraphPlan):
-        raise _broken(backend, f"graph_plan() returned {shown(value)}, not a GraphPlan or None")
     return value

@@ -11,7 +11,7 @@ import torch
 from multiwrite.capture import refuse_capture, setup_calls
 from multiwrite.errors import OWN_ERRORS, BackendUnavailableError, StagedWriteError
 from multiwrite.plugins import checked
-from multiwrite.plugins.backend import Backend, TablesPlan, backend_error
+from multiwrite.plugins.backend import Backend, TablesPlan, backend_error, graph_plan_of, plan_of
 from multiwrite.plugins.dispatch import select_backend
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.staging.arena import LayoutGuard, StagingArena
@@ -162,7 +162,7 @@ class BlockTables(BlockIdStaging, StageCalls):
         self._bind_staging(arena, self.num_blocks, self._applied, self._stamps, groups)
         self.graph: GraphMode | None = None
         if cuda_graphs:
-            plan = checked.graph_plan(self.backend, layout, arena)
+            plan = graph_plan_of(self.backend, layout, arena)
             if plan is None:
                 raise BackendUnavailableError(
                     f"BlockTables(cuda_graphs=True): backend {self.backend.NAME!r} on {device} has no graph mode "
@@ -178,7 +178,7 @@ class BlockTables(BlockIdStaging, StageCalls):
             self.graph = GraphMode(plan, layout, arena, self._guard, self._outputs_guard)
             self._plan: TablesPlan = plan
         else:
-            self._plan = checked.tables_plan(self.backend, layout, arena)
+            self._plan = plan_of(self.backend, layout, arena)
         self._names = (*(t.name for t in self.block_tables), "num_blocks")
 
     # -- sizes ----------------------------------------------------------------------------------------------------
