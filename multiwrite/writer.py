@@ -10,7 +10,8 @@ import torch
 
 from multiwrite.capture import refuse_capture, setup_calls
 from multiwrite.errors import OWN_ERRORS, StagedWriteError
-from multiwrite.plugins.backend import Backend, WriteBatch, backend_error, refuse_unsupported
+from multiwrite.plugins.backend import Backend, WriteBatch, backend_error
+from multiwrite.plugins.checked import lender, refuse_unsupported
 from multiwrite.plugins.dispatch import select_backend
 from multiwrite.staging.arena import Lease, StagingArena, remap_runs
 from multiwrite.staging.layout import META_TABLE, META_VALUE_OFFSET, dtype_name, resolve_device, shape_text
@@ -71,6 +72,8 @@ class FusedStagedWriter:
                 staged.
             GraphCaptureError: the current CUDA stream is capturing a graph; nothing recorded, writes kept.
             BackendError: the backend raised (its exception is the cause); every write of this call stays staged.
+            BackendContractError: after the writes landed (nothing stays staged), the backend's `staging_buffers`
+                returned neither a `StagingBuffers` nor None; the backend is set aside (docs/backends.md).
         """
         refuse_capture(self.device, "FusedStagedWriter.apply")
         tensors = list(tensors)
@@ -150,9 +153,9 @@ class FusedStagedWriter:
         for arena, indices in groups.values():
             if arena.lender is None and arena.num_writes == 0 and len(indices) == len(arena.targets):
                 with setup_calls(self.device):
-                    lender = self.backend.staging_buffers(self.device, arena.np_dtype)
-                    if lender is not None:
-                        arena.attach(lender)
+                    lent = lender(self.backend, self.device, arena.np_dtype)
+                    if lent is not None:
+                        arena.attach(lent)
 
     def __repr__(self) -> str:
         return f"FusedStagedWriter(device={self.device}, backend={self.backend.NAME!r})"

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from multiwrite.errors import BackendError, BackendUnavailableError, StagedWriteError
+from multiwrite.errors import BackendError, StagedWriteError
+from multiwrite.plugins.checked import broken, lender, shown
 from multiwrite.stage.torch_stage import run_stage_torch
 from multiwrite.staging.arena import Lease, StagingArena, StagingBuffers
 from multiwrite.staging.layout import (
@@ -232,12 +233,28 @@ def backend_error(
     )
 
 
-def refuse_unsupported(backend: Backend, device: torch.device) -> Backend:
-    """`backend` when it reports no reason against `device`, else `BackendUnavailableError` with its reasons."""
-    reasons = backend.not_supported_reasons(device)
-    if reasons:
-        raise BackendUnavailableError(f"backend {backend.NAME!r} cannot run on {device}: {'; '.join(reasons)}")
-    return backend
+def plan_of(backend: Backend, layout: TablesLayout, arena: StagingArena) -> TablesPlan:
+    """`backend.plan(layout, arena)`, checked to be a `TablesPlan` (`multiwrite.plugins.checked`).
+
+    Raises:
+        BackendContractError: it returned anything else; the backend is set aside (what it raises propagates).
+    """
+    value = backend.plan(layout, arena)
+    if not isinstance(value, TablesPlan):
+        raise broken(backend, f"plan() returned {shown(value)}, not a TablesPlan")
+    return value
+
+
+def graph_plan_of(backend: Backend, layout: TablesLayout, arena: StagingArena) -> GraphPlan | None:
+    """`backend.graph_plan(layout, arena)`, checked to be a `GraphPlan` or None (no graph mode).
+
+    Raises:
+        BackendContractError: it returned anything else; the backend is set aside (what it raises propagates).
+    """
+    value = backend.graph_plan(layout, arena)
+    if value is not None and not isinstance(value, GraphPlan):
+        raise broken(backend, f"graph_plan() returned {shown(value)}, not a GraphPlan or None")
+    return value
 
 
 def remember(cache: dict, key: Any, value: Any, limit: int, lock: threading.Lock) -> None:
@@ -278,9 +295,9 @@ class TablesPlan:
         self.layout = layout
         self.arena = arena
         self.tables = [*layout.tables, layout.counts_table]
-        lender = backend.staging_buffers(layout.device, np.int32)
-        if lender is not None:
-            arena.attach(lender)
+        lent = lender(backend, layout.device, np.int32)
+        if lent is not None:
+            arena.attach(lent)
 
     def batch(self) -> WriteBatch:
         """The arena's staged writes as the `WriteBatch` `Backend.apply` receives (checked, read in place)."""

@@ -22,8 +22,9 @@ import pluggy
 import torch
 
 from multiwrite.errors import BackendUnavailableError
-from multiwrite.plugins import hookspecs
+from multiwrite.plugins import checked, hookspecs
 from multiwrite.plugins.backend import Backend
+from multiwrite.plugins.checked import BackendContractError
 from multiwrite.staging.layout import resolve_device
 
 #: Environment variable that forces a backend by name, like the `backend=` arguments.
@@ -38,14 +39,21 @@ class BackendNameCollisionWarning(UserWarning):
     """Two installed backends share a `NAME`; the message names both distributions and the owner."""
 
 
+class PluginReentryError(RuntimeError):
+    """Plugin code that the host is running for `available_backends` or `select_backend` (a `multiwrite_backends`
+    hook, a backend's `priority` or `not_supported_reasons`) called one of them again. Refused: the host would run the
+    same plugin code again, recursing. The message names the plugin and what it was running."""
+
+
 @dataclass
 class BackendStatus:
     """One registered backend (or one plugin that provides none) as the dispatcher sees it for a device.
 
     Attributes:
         name: the backend's `NAME`; for a plugin that failed, the plugin's name (its entry-point name).
-        backend: the instance, or None when its plugin failed to load or returned nothing usable.
-        priority: `backend.priority(device)`; `-10**9` for a failed plugin.
+        backend: the instance, or None when its plugin failed to load or returned nothing usable, or the backend is
+            set aside (it broke the contract: `multiwrite.plugins.checked`; its reason says how).
+        priority: `backend.priority(device)`; `-10**9` for a failed plugin or a backend set aside.
         reasons: why it cannot run on the device checked; empty when it can.
         taken_by: `module.Class` of the backend that owns this name when another backend does (this
             one is then listed, with that as its reason, and never selected).
@@ -80,6 +88,8 @@ class _Failure:
 @dataclass
 class _Entry:
     backend: Backend
+    name: str  # NAME and PRIORITY, read and checked once (checked.declared)
+    priority: int
     plugin: str
     distribution: str | None
     version: str | None
@@ -208,6 +218,7 @@ def reload_plugins() -> None:
     global _host
     with _lock:
         _host = None
+        checked.forget_set_aside()
 
 
 def builtin_only() -> None:
@@ -240,18 +251,37 @@ def _safe_repr(obj: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _registered() -> tuple[list[_Entry], dict[str, _Failure]]:
-    """Every valid backend the plugins provide (each instance once, in registration order), and
-    {plugin name: failure} for plugins that failed or returned something that is not a list of backends."""
+#: Per thread: what plugin code the host is running for `_statuses` (None: none), to refuse a re-entrant call.
+_running = threading.local()
+
+
+def _where(plugin: str, dist: str | None, version: str | None) -> str:
+    return f"plugin {plugin!r}" + (f" of {dist} {version}" if dist else "")
+
+
+def _set_aside(name: str, exc: BackendContractError, where: str, dist: str | None, version: str | None,
+               tb: str | None = None) -> BackendStatus:  # fmt: skip
+    return BackendStatus(name, None, _FAILED_PRIORITY, [f"set aside ({where}): {exc.reason}"], None, dist, version, tb)
+
+
+def _registered() -> tuple[list[_Entry], dict[str, _Failure], list[BackendStatus]]:
+    """Every valid backend the plugins provide (each instance once, in registration order); {plugin name: failure}
+    for plugins that failed or returned something that is not a list of backends; and the statuses of the backends
+    set aside (a declaration that is invalid or raises, or an earlier result of the wrong type: `checked`), each under
+    its NAME (a backend without a valid NAME is one more reason of its plugin instead)."""
     host = _get_host()
     entries: list[_Entry] = []
-    seen: dict[int, str] = {}
+    aside: list[BackendStatus] = []
+    seen: dict[int, tuple[str, str]] = {}  # id -> (plugin, how the backend is named in a reason)
     failures = {n: _Failure(list(f.reasons), f.distribution, f.version, f.traceback) for n, f in host.failures.items()}
     for impl in host.pm.hook.multiwrite_backends.get_hookimpls():
         plugin = impl.plugin_name
         dist, version = host.dists.get(plugin, (None, None))
+        where = _where(plugin, dist, version)
         reasons: list[str] = []
+        tb = None
         try:
+            _running.what = f"the multiwrite_backends hook of {where}"
             provided: Any = impl.function()
         except KeyboardInterrupt:
             raise
@@ -272,18 +302,29 @@ def _registered() -> tuple[list[_Entry], dict[str, _Failure]]:
             if not isinstance(item, Backend):
                 what = "a class, not an instance" if isinstance(item, type) else f"a {type(item).__name__}"
                 reasons.append(f"multiwrite_backends() returned {_safe_repr(item)} ({what}), not a Backend instance")
-            elif not isinstance(item.NAME, str) or not item.NAME:
-                reasons.append(f"multiwrite_backends() returned {_qualname(item)} with no NAME")
-            elif id(item) in seen:
-                owner = seen[id(item)]
-                where = "twice" if owner == plugin else f"already provided by plugin {owner!r}"
-                reasons.append(f"multiwrite_backends() returned backend {item.NAME!r} {where}")
-            else:
-                seen[id(item)] = plugin
-                entries.append(_Entry(item, plugin, dist, version))
+                continue
+            if id(item) in seen:
+                owner, label = seen[id(item)]
+                again = "twice" if owner == plugin else f"already provided by plugin {owner!r}"
+                reasons.append(f"multiwrite_backends() returned {label} {again}")
+                continue
+            try:
+                _running.what = f"{checked.describe(item)} of {where}"
+                name, priority = checked.declared(item)
+            except BackendContractError as exc:
+                seen[id(item)] = (plugin, checked.describe(item))
+                if exc.name is None:  # nothing to list it under but its plugin
+                    reasons.append(f"set aside: {exc.reason}")
+                    tb = tb or (traceback.format_exc() if exc.__cause__ is not None else None)
+                else:
+                    tbs = traceback.format_exc() if exc.__cause__ is not None else None
+                    aside.append(_set_aside(exc.name, exc, where, dist, version, tbs))
+                continue
+            seen[id(item)] = (plugin, f"backend {name!r}")
+            entries.append(_Entry(item, name, priority, plugin, dist, version))
         if reasons:
-            failures[plugin] = _Failure(reasons, dist, version)
-    return entries, failures
+            failures[plugin] = _Failure(reasons, dist, version, tb)
+    return entries, failures, aside
 
 
 def _resolve_names(entries: list[_Entry]) -> tuple[dict[str, _Entry], dict[str, list[_Entry]]]:
@@ -295,14 +336,12 @@ def _resolve_names(entries: list[_Entry]) -> tuple[dict[str, _Entry], dict[str, 
     """
     by_name: dict[str, list[_Entry]] = {}
     for e in entries:
-        by_name.setdefault(e.backend.NAME, []).append(e)
+        by_name.setdefault(e.name, []).append(e)
     owners: dict[str, _Entry] = {}
     ambiguous: dict[str, list[_Entry]] = {}
     host = _get_host()
     for name, group in by_name.items():
-        group = sorted(
-            group, key=lambda e: (not e.builtin, -int(e.backend.PRIORITY), e.distribution or "", _qualname(e.backend))
-        )
+        group = sorted(group, key=lambda e: (not e.builtin, -e.priority, e.distribution or "", _qualname(e.backend)))
         owners[name] = group[0]
         if len(group) == 1:
             continue
@@ -322,32 +361,54 @@ def _resolve_names(entries: list[_Entry]) -> tuple[dict[str, _Entry], dict[str, 
     return owners, ambiguous
 
 
-def _statuses(
-    device: torch.device, dtypes: tuple[torch.dtype, ...]
-) -> tuple[list[BackendStatus], dict[str, list[_Entry]]]:
-    entries, failures = _registered()
-    owners, ambiguous = _resolve_names(entries)
-    out = []
-    for e in entries:
-        b = e.backend
-        owner = owners[b.NAME]
-        if owner is not e:
-            taken_by = _qualname(owner.backend)
-            reason = f"backend name {b.NAME!r} is already taken by {taken_by}"
-            if owner.distribution and owner.distribution != e.distribution:
-                reason += f" (distribution {owner.distribution})"
-            out.append(BackendStatus(b.NAME, b, int(b.PRIORITY), [reason], taken_by, e.distribution, e.version))
-            continue
+def _device_status(e: _Entry, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> BackendStatus:
+    """The status of the owner of a name for `device`: its reasons and priority there, each read and checked once."""
+    b = e.backend
+    where = _where(e.plugin, e.distribution, e.version)
+    _running.what = f"{checked.describe(b)} of {where}"
+    for method in ("not_supported_reasons", "priority"):
         try:
-            reasons = list(b.not_supported_reasons(device, dtypes))
-            prio = int(b.priority(device))
-            tb = None
+            if method == "not_supported_reasons":
+                reasons = checked.device_reasons(b, device, dtypes)
+            else:
+                prio = checked.device_priority(b, device)
+        except BackendContractError as exc:
+            return _set_aside(e.name, exc, where, e.distribution, e.version)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            reasons, prio = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"], _FAILED_PRIORITY
-            tb = traceback.format_exc()
-        out.append(BackendStatus(b.NAME, b, prio, reasons, None, e.distribution, e.version, tb))
+            reason = f"{method}({device}) raised {type(exc).__name__}: {exc}"
+            return BackendStatus(e.name, b, _FAILED_PRIORITY, [reason], None, e.distribution, e.version,
+                                 traceback.format_exc())  # fmt: skip
+    return BackendStatus(e.name, b, prio, reasons, None, e.distribution, e.version)
+
+
+def _statuses(
+    device: torch.device, dtypes: tuple[torch.dtype, ...], api: str
+) -> tuple[list[BackendStatus], dict[str, list[_Entry]]]:
+    _get_host()  # first: a plugin may call back into the host while it is imported (it gets the host being built)
+    running = getattr(_running, "what", None)
+    if running is not None:
+        raise PluginReentryError(
+            f"{api} was called from inside {running}, which the plugin host is running for an earlier call: the host "
+            "does not re-enter (it would run the same plugin code again, recursing). Call it from Backend.apply or "
+            "at import, not from multiwrite_backends, priority or not_supported_reasons"
+        )
+    try:
+        entries, failures, out = _registered()
+        owners, ambiguous = _resolve_names(entries)
+        for e in entries:
+            owner = owners[e.name]
+            if owner is e:
+                out.append(_device_status(e, device, dtypes))
+                continue
+            taken_by = _qualname(owner.backend)
+            reason = f"backend name {e.name!r} is already taken by {taken_by}"
+            if owner.distribution and owner.distribution != e.distribution:
+                reason += f" (distribution {owner.distribution})"
+            out.append(BackendStatus(e.name, e.backend, e.priority, [reason], taken_by, e.distribution, e.version))
+    finally:
+        _running.what = None
     for name, f in failures.items():
         out.append(BackendStatus(name, None, _FAILED_PRIORITY, f.reasons, None, f.distribution, f.version, f.traceback))
     out.sort(key=lambda s: (not s.available, -s.priority, s.name, s.distribution or ""))
@@ -368,7 +429,7 @@ def available_backends(
     set and the reason "backend name 'X' is already taken by module.Class". A collision warns once
     (`BackendNameCollisionWarning`) naming both distributions.
     """
-    return _statuses(resolve_device(device), tuple(dtypes))[0]
+    return _statuses(resolve_device(device), tuple(dtypes), "available_backends()")[0]
 
 
 def _listing(statuses: list[BackendStatus]) -> str:
@@ -399,7 +460,7 @@ def select_backend(
     device = resolve_device(device)
     dtypes = tuple(dtypes)
     forced = name or os.environ.get(BACKEND_ENV) or None
-    statuses, ambiguous = _statuses(device, dtypes)
+    statuses, ambiguous = _statuses(device, dtypes, "select_backend()")
     what = f"device={device}" + (f", dtypes={[str(d).removeprefix('torch.') for d in dtypes]}" if dtypes else "")
     if forced:
         source = "backend=" if name else f"${BACKEND_ENV}="

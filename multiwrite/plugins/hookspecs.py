@@ -33,7 +33,9 @@ def multiwrite_backends() -> list[Backend]:
     device descriptors and pinned ring buffers. Import heavy or optional dependencies (Triton, a vendor
     SDK) lazily inside the backend, so that a missing dependency becomes one of its
     `not_supported_reasons` instead of an import error. An exception raised here is caught and reported
-    as the plugin's reason; it never reaches the host program.
+    as the plugin's reason; it never reaches the host program. Do not call `available_backends` or
+    `select_backend` from here (`PluginReentryError`); each backend's declarations are checked
+    (docs/backends.md, "What the host checks").
 
     Give each backend a `NAME` of its own: names are unique. A built-in backend (defined under
     `multiwrite.backends`) keeps its name; among third-party backends sharing one, the highest `PRIORITY`

@@ -10,7 +10,8 @@ import torch
 
 from multiwrite.capture import refuse_capture, setup_calls
 from multiwrite.errors import OWN_ERRORS, BackendUnavailableError, StagedWriteError
-from multiwrite.plugins.backend import Backend, TablesPlan, backend_error, refuse_unsupported
+from multiwrite.plugins import checked
+from multiwrite.plugins.backend import Backend, TablesPlan, backend_error, graph_plan_of, plan_of
 from multiwrite.plugins.dispatch import select_backend
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.staging.arena import LayoutGuard, StagingArena
@@ -109,7 +110,9 @@ class BlockTables(BlockIdStaging, StageCalls):
     def _build(self, block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, backend,
                max_num_batched_tokens, cp_size, cp_rank, cp_interleave, cuda_graphs, groups) -> None:  # fmt: skip
         self.backend = (
-            refuse_unsupported(backend, device) if isinstance(backend, Backend) else select_backend(device, backend)
+            checked.refuse_unsupported(backend, device)
+            if isinstance(backend, Backend)
+            else select_backend(device, backend)
         )
         layout = self._layout = TablesLayout.build(
             block_sizes, max_num_reqs, max_num_blocks_per_group, device, kernel_block_sizes, max_num_batched_tokens,
@@ -159,7 +162,7 @@ class BlockTables(BlockIdStaging, StageCalls):
         self._bind_staging(arena, self.num_blocks, self._applied, self._stamps, groups)
         self.graph: GraphMode | None = None
         if cuda_graphs:
-            plan = self.backend.graph_plan(layout, arena)
+            plan = graph_plan_of(self.backend, layout, arena)
             if plan is None:
                 raise BackendUnavailableError(
                     f"BlockTables(cuda_graphs=True): backend {self.backend.NAME!r} on {device} has no graph mode "
@@ -175,7 +178,7 @@ class BlockTables(BlockIdStaging, StageCalls):
             self.graph = GraphMode(plan, layout, arena, self._guard, self._outputs_guard)
             self._plan: TablesPlan = plan
         else:
-            self._plan = self.backend.plan(layout, arena)
+            self._plan = plan_of(self.backend, layout, arena)
         self._names = (*(t.name for t in self.block_tables), "num_blocks")
 
     # -- sizes ----------------------------------------------------------------------------------------------------

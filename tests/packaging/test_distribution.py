@@ -21,8 +21,8 @@ import multiwrite
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 NEEDED_DIRS = (TESTS.relative_to(REPO).as_posix(), "examples", "docs", "scripts", "multiwrite", "backends")
-NEEDED_FILES = ("tox.ini", "pyproject.toml", "setup.py", "README.md", "BENCHMARKS.md", "multiwrite/staging/_cstaging.c",
-                ".ci/run")  # fmt: skip
+NEEDED_FILES = ("tox.ini", "pyproject.toml", "setup.py", "README.md", "BENCHMARKS.md", "CHANGELOG.md",
+                "multiwrite/staging/_cstaging.c", ".ci/run")  # fmt: skip
 
 
 def _pyproject() -> dict:

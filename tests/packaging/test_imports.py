@@ -200,6 +200,7 @@ def _under(module: str, *packages: str) -> bool:
 #: backends sit beside the writer and the tables: they build on the plugin contract only (the host finds them through
 #: their entry points, never by import), and each built-in backend is a package or module of its own.
 FLOORS = [
+    ("multiwrite._deprecated",),
     ("multiwrite.errors",),
     ("multiwrite.capture",),
     ("multiwrite.staging",),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BUILTIN
+from tests.conftest import BUILTIN, CPU_DEFAULT
 from tests.support import backend_source, install_distribution, subprocess_env
 
 # Uses the library as a host program would, with a forced built-in, then reports what dispatch sees.
@@ -344,3 +344,67 @@ def test_a_plugin_calling_back_into_the_host_while_it_is_imported_does_not_deadl
     for names in (seen["other thread"], result["statuses"]):
         assert {"torch-cpu", "reentrant", "reentrant-extra"} <= set(names)
     assert result["selected"] == "reentrant-extra"
+
+
+def _info(*roots: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "multiwrite", "info"], env=subprocess_env(*roots),
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+
+
+def _line(out: str, name: str, device: str = "cpu") -> str:
+    lines = out.splitlines()
+    start = lines.index(f"backends for {device}:")
+    return next(x for x in lines[start + 1 :] if x.startswith(f"  {name} "))
+
+
+CALLING_PLUGIN = backend_source("Calling", "calling") + """
+import multiwrite
+
+@hookimpl
+def multiwrite_backends():
+    multiwrite.available_backends("cpu")
+    return [Calling()]
+"""
+# The first thing the program asks: nothing has imported Triton yet.
+FIRST_LISTING_PROGRAM = """
+import json, multiwrite
+print("RESULT " + json.dumps({str(d): {s.name: s.reasons for s in multiwrite.available_backends(d)}
+                              for d in ("cpu", "cuda")}))
+"""
+
+
+def test_a_hook_calling_back_into_the_host_is_its_own_reason_and_never_another_backends(tmp_path):
+    """The hook of `calling-plugin` calls `available_backends()`: refused (no recursion), named as that plugin's
+    reason; Triton's reasons are those of a process without the plugin (the recursion once cached "triton is not
+    importable (RecursionError ...)" for the whole process)."""
+    install_distribution(tmp_path, "calling-plugin", "calling_plugin", CALLING_PLUGIN)
+    calling = run(tmp_path, program=FIRST_LISTING_PROGRAM)
+    clean = run(program=FIRST_LISTING_PROGRAM)
+    assert calling["cpu"]["calling-plugin"] == [
+        "multiwrite_backends() raised PluginReentryError: available_backends() was called from inside the "
+        "multiwrite_backends hook of plugin 'calling-plugin' of calling-plugin 1.0, which the plugin host is running "
+        "for an earlier call: the host does not re-enter (it would run the same plugin code again, recursing). Call it "
+        "from Backend.apply or at import, not from multiwrite_backends, priority or not_supported_reasons"
+    ]
+    for device in ("cpu", "cuda"):
+        for name in ("triton-cuda", "triton-rocm"):
+            assert calling[device][name] == clean[device][name]
+    assert "Recursion" not in json.dumps(calling)
+
+
+def test_info_exits_0_and_lists_a_backend_set_aside_with_its_reason(tmp_path):
+    """`multiwrite info` with a backend whose PRIORITY `int()` rejects (it exited 3, naming no plugin) and the plugin
+    calling back into the host installed: exit 0, both listed with their reasons, the built-in selected."""
+    install_distribution(tmp_path, "bad-priority-plugin", "bad_priority_plugin",
+                         backend_source("BadPriority", "bad-priority").replace("PRIORITY = 5", "PRIORITY = 'high'")
+                         + _hook("[BadPriority()]"))  # fmt: skip
+    install_distribution(tmp_path, "calling-plugin", "calling_plugin", CALLING_PLUGIN)
+    bad = _info(tmp_path)
+    assert bad.returncode == 0, bad.stderr
+    assert "priority    -  unavailable: set aside (plugin 'bad-priority-plugin' of bad-priority-plugin 1.0): backend " \
+           "'bad-priority' (bad_priority_plugin.BadPriority): PRIORITY='high' (a str) is not an int (allowed: an int" \
+           in _line(bad.stdout, "bad-priority")  # fmt: skip
+    assert "unavailable: multiwrite_backends() raised PluginReentryError: available_backends() was called from " \
+           "inside the multiwrite_backends hook of plugin 'calling-plugin' of calling-plugin 1.0" \
+           in _line(bad.stdout, "calling-plugin")  # fmt: skip
+    assert "<- selected" in _line(bad.stdout, CPU_DEFAULT)

@@ -1,0 +1,33 @@
+"""Deprecated (removed in 0.4.0): the plugin contract of 0.2.0, now `multiwrite.plugins.backend`."""
+
+from multiwrite._deprecated import warn_moved
+
+warn_moved("multiwrite.backend", "multiwrite.plugins.backend")
+
+from multiwrite.plugins.backend import (  # noqa: E402
+    META_COLUMNS,
+    META_LENGTH,
+    META_ROW,
+    META_START,
+    META_TABLE,
+    META_VALUE_OFFSET,
+    PRIORITY_BUILTIN_CPU,
+    PRIORITY_BUILTIN_GPU,
+    PRIORITY_FALLBACK,
+    Backend,
+    WriteBatch,
+)
+
+__all__ = [
+    "META_COLUMNS",
+    "META_LENGTH",
+    "META_ROW",
+    "META_START",
+    "META_TABLE",
+    "META_VALUE_OFFSET",
+    "PRIORITY_BUILTIN_CPU",
+    "PRIORITY_BUILTIN_GPU",
+    "PRIORITY_FALLBACK",
+    "Backend",
+    "WriteBatch",
+]
