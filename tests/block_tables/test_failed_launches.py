@@ -10,16 +10,24 @@ import pytest
 import torch
 
 from multiwrite import BackendError, BlockTables
+from multiwrite.plugins.backend import TablesPlan
 from tests.support import host
 
 WIDTHS = [4, 2, 6]
 
 
-class FailingPlan:
-    """A backend's plan whose `prepare` and `stage` raise `exc` while `failing`, launching nothing."""
+class FailingPlan(TablesPlan):
+    """A backend's plan whose `prepare` and `stage` raise `exc` while `failing`, launching nothing (a `TablesPlan`, as
+    the host requires of a plan; every other job is the real plan's)."""
 
-    def __init__(self, plan, exc: BaseException):
+    def __init__(self, plan, exc: BaseException):  # (not TablesPlan's: the real plan already holds the arena)
         self.plan, self.exc, self.failing = plan, exc, False
+
+    def apply(self):
+        return self.plan.apply()
+
+    def refresh(self):
+        return self.plan.refresh()
 
     def _maybe_fail(self, job, step):
         if self.failing:
