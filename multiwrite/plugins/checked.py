@@ -25,7 +25,9 @@ from multiwrite.staging.layout import SUPPORTED_DTYPES, dtype_name
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from multiwrite.plugins.backend import Backend
+#: What a plugin gave as a backend (a `multiwrite.Backend`, as far as it has said): nothing of it is trusted before
+#: the checks here (and the annotation names no class of `multiwrite.plugins.backend`, which calls these checks).
+Backend = Any
 
 _COLLECTIONS = (set, frozenset, list, tuple)
 _DTYPES = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
