@@ -23,13 +23,10 @@ from multiwrite import (
     select_backend,
 )
 from multiwrite.plugins.checked import BackendContractError, forget_set_aside
-from multiwrite.plugins.dispatch import BACKEND_ENV
 from tests.conftest import CPU_DEFAULT
 
-
-@pytest.fixture(autouse=True)
-def _auto_selection(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+#: These tests are about choosing a backend: a forced one (tox -e cuda) must not leak in.
+pytestmark = pytest.mark.usefixtures("auto_selection")
 
 
 @pytest.fixture(autouse=True)

@@ -21,11 +21,8 @@ from multiwrite import (
 from multiwrite.plugins.dispatch import BACKEND_ENV, BackendNameCollisionWarning
 from tests.conftest import CPU_DEFAULT
 
-
-@pytest.fixture(autouse=True)
-def _auto_selection(monkeypatch):
-    """These tests are about choosing a backend: a forced one (tox -e cuda) must not leak in."""
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+#: These tests are about choosing a backend: a forced one (tox -e cuda) must not leak in.
+pytestmark = pytest.mark.usefixtures("auto_selection")
 
 
 class Forwarding(Backend):

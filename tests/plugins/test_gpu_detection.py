@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from multiwrite import BackendUnavailableError, available_backends, select_backend
-from multiwrite.plugins.dispatch import BACKEND_ENV
 from tests.conftest import CPU_DEFAULT
 
 triton_backend = pytest.importorskip("multiwrite.backends.triton.backend")
@@ -25,9 +24,8 @@ _TRITON = triton_backend.triton_reasons()
 needs_triton = pytest.mark.skipif(bool(_TRITON), reason="; ".join(_TRITON))
 
 
-@pytest.fixture(autouse=True)
-def _auto_selection(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+#: These tests are about choosing a backend: a forced one (tox -e cuda) must not leak in.
+pytestmark = pytest.mark.usefixtures("auto_selection")
 
 
 @pytest.fixture
