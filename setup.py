@@ -10,12 +10,13 @@ setup(
     ext_modules=[
         Extension(
             "multiwrite.staging._cstaging",
-            # One module from four files (multiwrite/staging/_cstaging.h says what holds what).
+            # One module from five files (multiwrite/staging/_cstaging.h says what holds what).
             [
                 "multiwrite/staging/_cstaging.c",
                 "multiwrite/staging/_cstaging_arena.c",
                 "multiwrite/staging/_cstaging_block_ids.c",
                 "multiwrite/staging/_cstaging_headers.c",
+                "multiwrite/staging/_cstaging_vllm.c",
             ],
             depends=["multiwrite/staging/_cstaging.h"],
             optional=True,

@@ -12,7 +12,10 @@ from typing import Any
 #: The release that removes the aliases.
 REMOVED_IN = "0.4.0"
 #: The alias modules (each a thin module at a path of 0.2.0 calling `warn_moved` when imported).
-ALIASES = frozenset({"multiwrite.backend", "multiwrite.block_tables", "multiwrite.dispatch", "multiwrite.hookspecs"})
+ALIASES = frozenset({
+    "multiwrite.backend", "multiwrite.block_tables", "multiwrite.dispatch", "multiwrite.hookspecs",
+    "multiwrite.tables.stage_calls",
+})
 
 
 def _stacklevel() -> int:

@@ -15,12 +15,14 @@
  *   does not take exactly (anything unusual, any error) goes to the Python twin, which stages it or raises.
  * - HeaderRingFields: graph mode's ring of published batches; publish() writes one header. Base class of
  *   staging.headers.HeaderRing.
+ * - VllmStaging: multiwrite.vllm.BlockTables.append_block_ids, straight into its core's BlockIdStaging. Base class
+ *   of multiwrite.vllm.BlockTables.
  * - scatter_writes: the compiled-cpu backend's apply.
  *
  * Its source is split by type: this file holds the module itself (its functions bind_clock, set_fallbacks and
  * scatter_writes, PyInit) and the module's globals (the staging clock, the Python twin's fallbacks);
  * _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging, _cstaging_headers.c
- * HeaderRingFields; _cstaging.h what they share (the structs of more than one file, the header ring's layout, the
+ * HeaderRingFields, _cstaging_vllm.c VllmStaging; _cstaging.h what they share (the structs of more than one file, the header ring's layout, the
  * type objects and what they share, the globals and the arena's shared steps, all named mw_* and hidden outside the
  * extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
  * mw_clear_refs, mw_gc_dealloc) and the TypeError of a call whose arguments do not bind (mw_usage_error).
@@ -184,7 +186,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "multiwrite.staging._
 
 PyMODINIT_FUNC PyInit__cstaging(void) {
     if (PyType_Ready(&mw_LeaseFieldsType) < 0 || PyType_Ready(&mw_ArenaFieldsType) < 0 ||
-        PyType_Ready(&mw_BlockIdStagingType) < 0 || PyType_Ready(&mw_HeaderRingFieldsType) < 0)
+        PyType_Ready(&mw_BlockIdStagingType) < 0 || PyType_Ready(&mw_HeaderRingFieldsType) < 0 ||
+        PyType_Ready(&mw_VllmStagingType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -193,6 +196,7 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
         PyModule_AddObjectRef(m, "ArenaFields", (PyObject *)&mw_ArenaFieldsType) < 0 ||
         PyModule_AddObjectRef(m, "BlockIdStaging", (PyObject *)&mw_BlockIdStagingType) < 0 ||
         PyModule_AddObjectRef(m, "HeaderRingFields", (PyObject *)&mw_HeaderRingFieldsType) < 0 ||
+        PyModule_AddObjectRef(m, "VllmStaging", (PyObject *)&mw_VllmStagingType) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_WORDS", HEADER_WORDS) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_WRITES", INLINE_WRITES) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_VALUES", INLINE_VALUES) < 0 ||

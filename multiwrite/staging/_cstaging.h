@@ -2,7 +2,7 @@
  * multiwrite/staging/_cstaging.h: what the source files of the one extension module multiwrite.staging._cstaging
  * share (private: only its .c files include it, and nothing here is a Python-visible name of its own). It holds the
  * two structs more than one file reads (LeaseFields and ArenaFields; their types are in _cstaging_arena.c), the
- * header ring's layout (constants PyInit also exports), the four type objects, the module's globals (the staging
+ * header ring's layout (constants PyInit also exports), the five type objects, the module's globals (the staging
  * clock, the Python twin's fallbacks; defined in _cstaging.c), what the type objects share (the macros MW_TYPE_HEAD
  * and MW_GC_SLOTS, and helpers defined in _cstaging.c), and the arena's C-level steps that block-id
  * staging and graph mode's publish take (defined in _cstaging_arena.c). Every name shared between files starts with
@@ -11,6 +11,7 @@
  * - _cstaging_arena.c: LeaseFields and ArenaFields.
  * - _cstaging_block_ids.c: BlockIdStaging (append_block_ids, append_block_ids_batch, _bind_staging).
  * - _cstaging_headers.c: HeaderRingFields (publish, commit).
+ * - _cstaging_vllm.c: VllmStaging (multiwrite.vllm.BlockTables.append_block_ids).
  */
 #ifndef MULTIWRITE_STAGING_CSTAGING_H
 #define MULTIWRITE_STAGING_CSTAGING_H
@@ -28,7 +29,7 @@
 #define MW_INTERNAL
 #endif
 
-/* ---- what the four types share (the helpers: _cstaging.c) ---------------------------------------------- */
+/* ---- what the five types share (the helpers: _cstaging.c) ---------------------------------------------- */
 
 /* The fields every one of the module's type objects sets: its name in the module, its struct, the flags besides
  * Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE (each type is the base class of a Python class), its doc, and its tables
@@ -108,6 +109,24 @@ MW_INTERNAL int mw_arena_begin_run(ArenaFields *arena);
 #define MAX_GROUPS 64
 
 MW_INTERNAL extern PyTypeObject mw_BlockIdStagingType;
+
+#define STATUS_FALLBACK 1   /* unusual input, an error, or no room: the Python twin stages it or raises */
+#define MW_EXTRA_GROUPS 1   /* staging flag: entries of new_block_ids past the groups are ignored */
+#define MW_NULL_BLOCK 2     /* staging flag: every id stages as the null block 0 (only the lengths are read) */
+/* One append_block_ids call into `staging` (a bound BlockIdStaging), with `flags`: 0 (staged), STATUS_FALLBACK
+ * (nothing changed: not taken exactly), -1 (an error set). */
+MW_INTERNAL int mw_stage_block_ids(PyObject *staging, PyObject *req, PyObject *groups, int overwrite, int flags);
+/* The three parameters of a vectorcall (the first named `first`, then new_block_ids, overwrite) into params; 0 when
+ * they do not bind. */
+MW_INTERNAL int mw_bind_params(PyObject *const *args, size_t nargsf, PyObject *kwnames, const char *first,
+                               PyObject **params);
+/* fn(self, *args, **kwargs) of a vectorcall. */
+MW_INTERNAL PyObject *mw_call_fallback(PyObject *fn, PyObject *self, PyObject *const *args, size_t nargsf,
+                                       PyObject *kwnames);
+
+/* ---- VllmStaging (_cstaging_vllm.c) --------------------------------------------------------------------- */
+
+MW_INTERNAL extern PyTypeObject mw_VllmStagingType;
 
 /* ---- HeaderRingFields (_cstaging_headers.c) ------------------------------------------------------------- */
 

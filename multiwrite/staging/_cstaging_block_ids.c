@@ -32,17 +32,17 @@ static PyMemberDef staging_members[] = {
     {NULL},
 };
 
-#define STATUS_FALLBACK 1 /* unusual input, an error, or no room: the Python twin stages it or raises */
-
-/* Stage one call into the arena: 0 (staged, counters moved), STATUS_FALLBACK (nothing changed), -1 (error set). */
-static int stage_core(BlockIdStaging *s, PyObject *req_obj, PyObject *groups_obj, int overwrite) {
+/* Stage one call into the arena: 0 (staged, counters moved), STATUS_FALLBACK (nothing changed), -1 (error set).
+ * flags: MW_EXTRA_GROUPS, MW_NULL_BLOCK (_cstaging.h). */
+static int stage_core(BlockIdStaging *s, PyObject *req_obj, PyObject *groups_obj, int overwrite, int flags) {
     ArenaFields *arena = s->arena;
     if (!PyLong_CheckExact(req_obj) || !(PyList_CheckExact(groups_obj) || PyTuple_CheckExact(groups_obj)))
         return STATUS_FALLBACK;
     const Py_ssize_t G = s->num_groups, R = s->max_reqs;
     int overflow = 0;
     long long req = PyLong_AsLongLongAndOverflow(req_obj, &overflow);
-    if (overflow || req < 0 || req >= R || PySequence_Fast_GET_SIZE(groups_obj) != G)
+    const Py_ssize_t given = PySequence_Fast_GET_SIZE(groups_obj);
+    if (overflow || req < 0 || req >= R || given < G || (given > G && !(flags & MW_EXTRA_GROUPS)))
         return STATUS_FALLBACK;
     PyObject **groups = PySequence_Fast_ITEMS(groups_obj);
     const Py_ssize_t w = arena->num_writes, v = arena->num_values;
@@ -84,6 +84,11 @@ static int stage_core(BlockIdStaging *s, PyObject *req_obj, PyObject *groups_obj
         Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
         PyObject **items = PySequence_Fast_ITEMS(ids);
         const Py_ssize_t v0 = v1;
+        if (flags & MW_NULL_BLOCK) { /* every id is the null block 0, whatever was passed */
+            for (Py_ssize_t i = 0; i < n * k; i++)
+                values[v1++] = (int32_t)(i % k);
+            n = 0;
+        }
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = items[i];
             if (!PyLong_CheckExact(item)) /* bools, int subclasses, numpy scalars: the twin decides */
@@ -148,7 +153,12 @@ static int staging_ready(BlockIdStaging *self) {
     return 0;
 }
 
-static PyObject *call_fallback(PyObject *fn, PyObject *self, PyObject *const *args, size_t nargsf,
+int mw_stage_block_ids(PyObject *staging, PyObject *req, PyObject *groups, int overwrite, int flags) {
+    BlockIdStaging *s = (BlockIdStaging *)staging;
+    return staging_ready(s) ? stage_core(s, req, groups, overwrite, flags) : -1;
+}
+
+PyObject *mw_call_fallback(PyObject *fn, PyObject *self, PyObject *const *args, size_t nargsf,
                                PyObject *kwnames) {
     if (fn == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "multiwrite.staging._cstaging: set_fallbacks was not called");
@@ -172,7 +182,7 @@ static int name_is(PyObject *name, const char *text) { return PyUnicode_CompareW
 
 /* The three parameters of a vectorcall (the first named `first`, then new_block_ids, overwrite) into params;
  * 0 when they do not bind (the Python twin then says why). */
-static int bind_params(PyObject *const *args, size_t nargsf, PyObject *kwnames, const char *first,
+int mw_bind_params(PyObject *const *args, size_t nargsf, PyObject *kwnames, const char *first,
                        PyObject **params) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     params[0] = params[1] = params[2] = NULL;
@@ -194,12 +204,12 @@ static PyObject *staging_append(BlockIdStaging *self, PyObject *const *args, siz
     PyObject *p[3];
     if (!staging_ready(self))
         return NULL;
-    if (bind_params(args, nargsf, kwnames, "req_index", p) && (p[2] == Py_True || p[2] == Py_False)) {
-        int status = stage_core(self, p[0], p[1], p[2] == Py_True);
+    if (mw_bind_params(args, nargsf, kwnames, "req_index", p) && (p[2] == Py_True || p[2] == Py_False)) {
+        int status = stage_core(self, p[0], p[1], p[2] == Py_True, 0);
         if (status <= 0)
             return status < 0 ? NULL : Py_NewRef(Py_None);
     }
-    return call_fallback(mw_fallback_append, (PyObject *)self, args, nargsf, kwnames);
+    return mw_call_fallback(mw_fallback_append, (PyObject *)self, args, nargsf, kwnames);
 }
 
 /* The error of call `index` of a batch of `calls` becomes what the twin's batch_failure makes of it. */
@@ -229,16 +239,16 @@ static PyObject *staging_append_batch(BlockIdStaging *self, PyObject *const *arg
     PyObject *p[3];
     if (!staging_ready(self))
         return NULL;
-    if (!bind_params(args, nargsf, kwnames, "req_indices", p))
-        return call_fallback(mw_fallback_batch, (PyObject *)self, args, nargsf, kwnames);
+    if (!mw_bind_params(args, nargsf, kwnames, "req_indices", p))
+        return mw_call_fallback(mw_fallback_batch, (PyObject *)self, args, nargsf, kwnames);
     PyObject *reqs = p[0], *ids = p[1], *ow = p[2];
     if (!(PyList_CheckExact(reqs) || PyTuple_CheckExact(reqs)) || !(PyList_CheckExact(ids) || PyTuple_CheckExact(ids)))
-        return call_fallback(mw_fallback_batch, (PyObject *)self, args, nargsf, kwnames);
+        return mw_call_fallback(mw_fallback_batch, (PyObject *)self, args, nargsf, kwnames);
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(reqs);
     const int shared = ow == Py_True || ow == Py_False;
     if (PySequence_Fast_GET_SIZE(ids) != n ||
         !(shared || ((PyList_CheckExact(ow) || PyTuple_CheckExact(ow)) && PySequence_Fast_GET_SIZE(ow) == n)))
-        return call_fallback(mw_fallback_batch, (PyObject *)self, args, nargsf, kwnames);
+        return mw_call_fallback(mw_fallback_batch, (PyObject *)self, args, nargsf, kwnames);
     /* As the twin's loop: stops at the end of the shortest sequence, lengths read again at each call (a fallback
      * runs Python code, which may change them). */
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(reqs) && i < PySequence_Fast_GET_SIZE(ids) &&
@@ -251,10 +261,10 @@ static PyObject *staging_append_batch(BlockIdStaging *self, PyObject *const *arg
         Py_INCREF(call[2]);
         int status = STATUS_FALLBACK;
         if (call[2] == Py_True || call[2] == Py_False)
-            status = stage_core(self, call[0], call[1], call[2] == Py_True);
+            status = stage_core(self, call[0], call[1], call[2] == Py_True, 0);
         PyObject *r = status == 0 ? Py_NewRef(Py_None)
                       : status < 0 ? NULL
-                                   : call_fallback(mw_fallback_append, (PyObject *)self, call, 3, NULL);
+                                   : mw_call_fallback(mw_fallback_append, (PyObject *)self, call, 3, NULL);
         Py_DECREF(call[1]);
         Py_DECREF(call[2]);
         if (r == NULL) {

@@ -1,5 +1,6 @@
 """`BlockTables`: the block tables of every KV-cache group of a model, their block counts, and the rest of a
-step's block-table stage (gather, slot mappings: `multiwrite.tables.stage_calls`), each job one backend call."""
+step's block-table stage (gather, slot mappings), each job one backend call, run by the tables' mode
+(`multiwrite.tables.mode`: `EagerMode`, or `GraphMode` with `cuda_graphs=True`)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ import numpy as np
 import torch
 
 from multiwrite.capture import refuse_capture, setup_calls
-from multiwrite.errors import OWN_ERRORS, BackendUnavailableError, StagedWriteError
+from multiwrite.errors import BackendUnavailableError
 from multiwrite.plugins import checked
-from multiwrite.plugins.backend import Backend, TablesPlan, backend_error, graph_plan_of, plan_of
+from multiwrite.plugins.backend import Backend, graph_plan_of, plan_of
 from multiwrite.plugins.dispatch import select_backend
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.staging.arena import LayoutGuard, StagingArena
 from multiwrite.staging.block_ids import BlockIdStaging, PyBlockIdStaging
 from multiwrite.staging.layout import check_device
 from multiwrite.staging.table import StagedWriteTensor
+from multiwrite.tables.eager import EagerMode
 from multiwrite.tables.graph import GraphMode
-from multiwrite.tables.stage_calls import StageCalls
+from multiwrite.tables.mode import TablesMode
 
 _FIXED = (
     "a BlockTables' tables cannot be replaced or resized: every group's table and num_blocks share one "
@@ -27,7 +29,7 @@ _FIXED = (
 )
 
 
-class BlockTables(BlockIdStaging, StageCalls):
+class BlockTables(BlockIdStaging):
     """The block tables of every KV-cache group of a model, staged on the host, applied in one call.
 
     What runs: `append_block_ids` / `append_block_ids_batch` stage on the host (inherited from `BlockIdStaging`:
@@ -35,8 +37,9 @@ class BlockTables(BlockIdStaging, StageCalls):
     one call of the backend's plan (`Backend.plan`, built once here): `apply_staged_writes` -> `plan.apply()`,
     `gather_block_tables` / `compute_slot_mappings` -> `plan.stage(step)`, `prepare_inputs` -> `plan.prepare(step)`
     (one launch on the Triton backends; two when a row is written in more than 8 overlap rounds of one batch: the
-    apply, then the stage). With `cuda_graphs=True` the same jobs go to `self.graph`, a `GraphMode`,
-    which publishes batches into a header ring so that a CUDA graph can capture them (docs/graph-mode.md).
+    apply, then the stage). The jobs are those of the tables' mode, chosen here once: an `EagerMode`, or with
+    `cuda_graphs=True` a `GraphMode` (`self.graph`), which publishes batches into a header ring so that a CUDA graph
+    can capture them (docs/graph-mode.md). Each call goes through the mode's one preamble (`TablesMode.enter`).
     docs/lifecycle.md says what a request's rows hold from admission to reuse.
 
     Args:
@@ -127,7 +130,6 @@ class BlockTables(BlockIdStaging, StageCalls):
         self.cp_size, self.cp_rank, self.cp_interleave = layout.cp_size, layout.cp_rank, layout.cp_interleave
         self.slot_mapping_enabled, self.dcp_sharded = layout.slot_mapping_enabled, layout.dcp_sharded
         self.sliding_window_reach = layout.sliding_window_reach
-        self._dirty_rows = 0  # rows of input_block_tables the last gather (or dummy) may have left non-zero
         self.num_blocks_device = layout.num_blocks
         self.input_block_tables = layout.input_block_tables
         self.slot_mappings = layout.slot_mappings
@@ -138,28 +140,27 @@ class BlockTables(BlockIdStaging, StageCalls):
             for g, (t, k) in enumerate(zip(layout.tables, layout.kernel_blocks_per_block))
         ]
         StagedWriteTensor.in_arena(layout.counts_table, arena, name="num_blocks", fixed=_FIXED)
-        self._guard = LayoutGuard(
+        outputs = [(t, f"input_block_tables[{g}] of a BlockTables") for g, t in enumerate(layout.input_block_tables)]
+        if layout.slot_mappings is not None:
+            outputs.append((layout.slot_mappings, "slot_mappings of a BlockTables"))
+        outputs_guard = LayoutGuard(
+            outputs, layout.outputs_storage, "the outputs of a BlockTables share one allocation that kernels write"
+        )
+        guard = arena.guard = LayoutGuard(
             [(t, f"group {g} of a BlockTables") for g, t in enumerate(layout.tables)]
             + [(t, "num_blocks of a BlockTables") for t in (layout.counts_table, layout.num_blocks)],
             layout.storage,
             "the tables and num_blocks of a BlockTables share one allocation",
         )
-        outputs = [(t, f"input_block_tables[{g}] of a BlockTables") for g, t in enumerate(layout.input_block_tables)]
-        if layout.slot_mappings is not None:
-            outputs.append((layout.slot_mappings, "slot_mappings of a BlockTables"))
-        self._outputs_guard = LayoutGuard(
-            outputs, layout.outputs_storage, "the outputs of a BlockTables share one allocation that kernels write"
-        )
-        self._outputs = layout.outputs_storage  # (its version counter: the outputs guard's fast check)
-        arena.guard = self._guard
-        self._storage = layout.storage  # (its version counter, shared by every table: the guard's fast check)
         self.num_blocks = np.zeros((G, R), dtype=np.int32)
-        self._applied = np.zeros((G, R), dtype=np.int32)
-        self._stamps = np.zeros((G + 1, R), dtype=np.int64)
+        applied = np.zeros((G, R), dtype=np.int32)
+        stamps = np.zeros((G + 1, R), dtype=np.int64)
         # Per group: k, row width, largest manager id whose kernel ids b*k + k - 1 fit int32.
         ks = layout.kernel_blocks_per_block
         groups = tuple((k, w, (2**31 - 1 - (k - 1)) // k) for k, w in zip(ks, layout.widths))
-        self._bind_staging(arena, self.num_blocks, self._applied, self._stamps, groups)
+        self._bind_staging(arena, self.num_blocks, applied, stamps, groups)
+        names = (*(t.name for t in self.block_tables), "num_blocks")
+        state = (layout, arena, guard, outputs_guard, self.num_blocks, applied, stamps, names)
         self.graph: GraphMode | None = None
         if cuda_graphs:
             plan = graph_plan_of(self.backend, layout, arena)
@@ -175,11 +176,11 @@ class BlockTables(BlockIdStaging, StageCalls):
                     f"{type(plan).__name__}, that does not implement {' and '.join(missing)} (GraphPlan); "
                     "use cuda_graphs=False"
                 )
-            self.graph = GraphMode(plan, layout, arena, self._guard, self._outputs_guard)
-            self._plan: TablesPlan = plan
+            mode: TablesMode = GraphMode(self.backend, plan, *state)
+            self.graph = mode
         else:
-            self._plan = plan_of(self.backend, layout, arena)
-        self._names = (*(t.name for t in self.block_tables), "num_blocks")
+            mode = EagerMode(self.backend, plan_of(self.backend, layout, arena), *state)
+        self._mode = mode
 
     # -- sizes ----------------------------------------------------------------------------------------------------
     @property
@@ -242,16 +243,7 @@ class BlockTables(BlockIdStaging, StageCalls):
             GraphProtocolError: graph mode, outside a capture: a mis-pairing the device recorded (see
                 `commit_staged_writes`); nothing was published or applied.
         """
-        if self.graph is not None:
-            return self._run(self.graph.apply_staged_writes)
-        refuse_capture(self.device, "BlockTables.apply_staged_writes")
-        if self._storage._version != self._guard.version:  # (one read when nothing was resized: the common case)
-            self._guard.check()
-        if self._arena.num_writes:
-            try:
-                self._plan.apply()
-            except Exception as exc:
-                raise self._failure(exc) from exc
+        self._mode.apply()
 
     def commit_staged_writes(self) -> int:
         """Graph mode: publish the staged batch as the batch of the NEXT replay of a captured graph (host work only:
@@ -266,16 +258,7 @@ class BlockTables(BlockIdStaging, StageCalls):
             GraphProtocolError: the device recorded a mis-pairing (a replay without its commit, or a commit with no
                 replay before an eager apply) not reported yet; nothing was committed, the pairing is restored.
         """
-        if self.graph is None:
-            raise StagedWriteError(
-                "commit_staged_writes() is for tables created with BlockTables(..., cuda_graphs=True); these apply "
-                "with apply_staged_writes(). Nothing was committed; the staged writes stay staged"
-            )
-        if self._storage._version != self._guard.version:
-            self._guard.check()
-        if self._outputs._version != self._outputs_guard.version:  # (captured stage launches write them)
-            self._outputs_guard.check()
-        return self.graph.commit()
+        return self._mode.commit()
 
     def clear_staged_writes(self) -> None:
         """Drop every staged write and restore `num_blocks` to its counts as of the last apply (graph mode: commit).
@@ -286,23 +269,151 @@ class BlockTables(BlockIdStaging, StageCalls):
         Raises:
             GraphCaptureError: during a CUDA graph capture without graph mode; nothing is dropped.
         """
-        if self.graph is None:
-            refuse_capture(self.device, "BlockTables.clear_staged_writes")
-        changed = np.flatnonzero(self._stamps[self.num_groups] == self._arena.batch)
-        self.num_blocks[:, changed] = self._applied[:, changed]
-        self._arena.clear()
+        self._mode.clear()
 
-    def _run(self, job) -> None:
-        """Run a backend job, its failure raised as `BackendError` naming backend and tables (writes stay staged)."""
-        try:
-            job()
-        except Exception as exc:
-            raise self._failure(exc) from exc
+    # -- the stage ----------------------------------------------------------------------------------------------
+    def gather_block_tables(
+        self,
+        idx_mapping: torch.Tensor,
+        num_reqs_padded: int,
+        out: Sequence[torch.Tensor] | None = None,
+        num_computed_tokens: torch.Tensor | None = None,
+        apply_staged: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """Gather the scheduled requests' rows into batch order in `input_block_tables` (vLLM 0.33's semantics).
 
-    def _failure(self, exc: Exception) -> Exception:
-        """What a failed job raises: multiwrite's own errors as they are (a refusal, a stalled ring), anything else
-        as the `BackendError` naming the backend and the tables."""
-        if isinstance(exc, OWN_ERRORS):
-            return exc
-        left = None if self.graph is None else self.graph.unapplied()
-        return backend_error(self.backend, self.device, self._names, self._arena.num_writes, exc, left)
+        Batch entry `b < num_reqs` gets the first `num_blocks[g, idx_mapping[b]]` cells of row `idx_mapping[b]` of
+        each group's table (its other cells keep what they held); an entry of -1 (a dummy request) gets a zero row;
+        rows `num_reqs ..` up to the larger of `num_reqs_padded` and the previous gather's (or dummy's) row count
+        become zero. With `num_computed_tokens`, a group with a `sliding_window_reach` gets 0 for every kernel block
+        wholly below the window of the request's first scheduled token. Reads the tables as the last apply left
+        them (`apply_staged`: applies the staged writes first, in the same launch).
+
+        Args:
+            idx_mapping: int32/int64 `[num_reqs]`, the request row (or -1) of each batch entry, on the tables' device
+                or on the host.
+            num_reqs_padded: `num_reqs <= num_reqs_padded <= max_num_reqs`.
+            out: per group an int32 `[>= num_reqs_padded, width_g]` tensor on the tables' device to gather into
+                instead (torch ops, several launches; nothing else is zeroed).
+            num_computed_tokens: int32/int64 `[>= max_num_reqs]` per request row (the first scheduled position).
+            apply_staged: exactly `apply_staged_writes()` first.
+
+        Returns:
+            `input_block_tables[g][:num_reqs_padded]` per group (or `out[g][:num_reqs_padded]`): views at fixed
+            addresses (the same objects for the same size: read and write through them, do not `resize_` them).
+
+        Raises:
+            StageInputError: a wrong shape or dtype, a count above the tables, a row outside them (host inputs).
+            GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
+                (otherwise a capture records the gather; its inputs must then be on the device).
+        """
+        step = self._mode.stage_call("gather_block_tables", apply_staged, False, out, None, idx_mapping,
+                                     num_reqs_padded, None, None, None, None, num_computed_tokens)  # fmt: skip
+        return step.gathered(self._layout) if out is None else tuple(t[: step.num_reqs_padded] for t in out)
+
+    def compute_slot_mappings(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        apply_staged: bool = False,
+    ) -> torch.Tensor:
+        """The KV-cache slot of every scheduled token in every group: int64 `[num_groups, num_tokens_padded]`.
+
+        Token `i` of batch entry `b` (`query_start_loc[b] <= i < query_start_loc[b + 1]`) at position
+        `p = positions[i]` gets `table[g][idx_mapping[b], p // kbs] * kbs + p % kbs` (kernel block size `kbs`);
+        with context parallelism only the tokens this rank owns get a slot (every token, in a group whose
+        `dcp_sharded` is False). Tokens of a dummy request (-1), padding tokens, every token of a group whose
+        `slot_mapping_enabled` is False, and the buffer from `query_start_loc[num_reqs]` to its end get -1.
+        Reads the tables as the last apply left them (`apply_staged`: applies the staged writes first, in the same
+        launch).
+
+        Args:
+            idx_mapping: int32/int64 `[num_reqs]`, request rows (-1: a dummy request).
+            query_start_loc: int32/int64 `[>= num_reqs + 1]`, from 0, non-decreasing, ending `<= num_tokens_padded`.
+            positions: int32/int64 `[>= query_start_loc[num_reqs]]`, token positions (>= 0).
+            num_tokens_padded: `<= max_num_batched_tokens`.
+            is_padding: optional bool `[>= num_tokens_padded]`; true marks a token to skip.
+            out: int64 `[num_groups, >= num_tokens_padded]` on the tables' device to write instead (torch ops,
+                several launches), padded to its end.
+            apply_staged: exactly `apply_staged_writes()` first.
+
+        Returns:
+            `slot_mappings[:, :num_tokens_padded]` (or `out[:, :num_tokens_padded]`), a view of the buffer.
+
+        Raises:
+            StageInputError: wrong shapes or dtypes, counts above the buffers, and for host inputs bad values (a
+                position past its request's blocks names token, request and group).
+            GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
+                (otherwise a capture records the slot mappings; its inputs must then be on the device).
+        """
+        step = self._mode.stage_call("compute_slot_mappings", apply_staged, False, None, out, idx_mapping, None,
+                                     query_start_loc, positions, num_tokens_padded, is_padding, None)  # fmt: skip
+        return step.slots(self._layout) if out is None else out[:, : step.num_tokens_padded]
+
+    def get_dummy_block_tables(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
+        """Zero `input_block_tables[g][:num_reqs]` (and the rows the last gather left past them) and return those
+        views (fixed addresses: what a CUDA graph of a dummy batch reads). The caller may write ids into them: the
+        next gather zeroes the rows it does not fill.
+
+        Raises:
+            StageInputError: `num_reqs` outside `[0, max_num_reqs]`.
+        """
+        return self._mode.dummy_block_tables(num_reqs)
+
+    def get_dummy_slot_mappings(self, num_tokens: int) -> torch.Tensor:
+        """Fill the whole `slot_mappings` buffer with PAD (-1) and return `slot_mappings[:, :num_tokens]` (a fixed
+        address).
+
+        Raises:
+            StageInputError: no slot_mappings buffer (built without `max_num_batched_tokens`), or `num_tokens` outside
+                `[0, max_num_batched_tokens]`.
+        """
+        return self._mode.dummy_slot_mappings(num_tokens)
+
+    def refresh_layout(self) -> None:
+        """Rewrite what the device holds about the tables' addresses (the backend's descriptors), e.g. after the
+        memory pool they were allocated from slept and woke and its contents were discarded. The tables' own
+        contents are the caller's (re-stage them).
+
+        Raises:
+            GraphCaptureError: during a CUDA graph capture.
+            BackendError: the backend failed to rewrite them.
+        """
+        refuse_capture(self.device, "BlockTables.refresh_layout")
+        self._mode.run(self._mode.plan.refresh)
+
+    def prepare_inputs(
+        self,
+        idx_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        is_padding: torch.Tensor | None = None,
+        num_computed_tokens: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Apply the staged writes, gather and compute the slot mappings in ONE backend call (one launch on the
+        Triton backends, two for a row written in more than 8 overlap rounds; in graph mode, outside a capture, the
+        consume launch and the stage launch): exactly `apply_staged_writes()`, `gather_block_tables(idx_mapping,
+        num_reqs_padded, num_computed_tokens=num_computed_tokens)`, `compute_slot_mappings(idx_mapping,
+        query_start_loc, positions, num_tokens_padded, is_padding)`. Inputs are checked first: a rejected call
+        applies nothing and every staged write stays staged.
+
+        Graph mode: inside `torch.cuda.graph(...)` this records the consume launch and the stage launch; the inputs
+        must then be tensors on the tables' device (their values are read at each replay). Outside a capture it
+        publishes and applies what is staged, then gathers and maps.
+
+        Returns:
+            (gathered tables, slot mappings), as the two methods return them.
+
+        Raises:
+            StageInputError, GraphCaptureError, and the errors of `apply_staged_writes`.
+        """
+        step = self._mode.stage_call("prepare_inputs", True, True, None, None, idx_mapping, num_reqs_padded,
+                                     query_start_loc, positions, num_tokens_padded, is_padding,
+                                     num_computed_tokens)  # fmt: skip
+        return step.gathered(self._layout), step.slots(self._layout)

@@ -18,27 +18,23 @@ from typing import Any
 
 from multiwrite.capture import capture_id, is_capturing, settle
 from multiwrite.errors import GraphCaptureError, GraphProtocolError
-from multiwrite.plugins.backend import GraphPlan
+from multiwrite.plugins.backend import Backend, GraphPlan
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.stage.step import StepInputs
 from multiwrite.staging.arena import LayoutGuard, StagingArena
 from multiwrite.staging.headers import INLINE_VALUES, INLINE_WRITES, HeaderRing
 from multiwrite.staging.wait import wait_until
+from multiwrite.tables.mode import TablesMode
 
 #: Graph-mode state of every `BlockTables` whose launches were captured: a CUDA graph may outlive its
 #: `BlockTables` and keeps reading this memory at every replay, so it is kept until the process ends.
 _CAPTURED: list[GraphMode] = []
 
 
-class GraphMode:
-    """The graph mode of one `BlockTables` (module docstring): its header ring and what its captures recorded.
-
-    Args:
-        plan: the backend's `GraphPlan` for the tables.
-        layout: the tables' memory.
-        arena: the staging arena (its lender lends memory the kernels read in place).
-        guard: the tables' `LayoutGuard` (captured launches read them by address: they must never move).
-        outputs: the outputs' `LayoutGuard` (captured stage launches write them by address).
+class GraphMode(TablesMode):
+    """The graph mode of one `BlockTables` (module docstring): its header ring and what its captures recorded. The
+    arguments are `TablesMode`'s; `plan` is the backend's `GraphPlan`, the arena's lender lends memory the kernels
+    read in place, and the guards keep what captured launches read and write by address from moving.
 
     Attributes:
         ring: the `HeaderRing` (its `published`, `tickets_published`, `applied`, `runs`, `idle_runs`, `rereads`,
@@ -47,14 +43,12 @@ class GraphMode:
             object.
     """
 
-    def __init__(
-        self, plan: GraphPlan, layout: TablesLayout, arena: StagingArena, guard: LayoutGuard, outputs: LayoutGuard
-    ) -> None:
-        self.plan = plan
-        self.layout = layout
-        self.arena = arena
-        self.guard = guard
-        self.outputs_guard = outputs
+    cuda_graphs = True
+
+    def __init__(self, backend: Backend, plan: GraphPlan, layout: TablesLayout, arena: StagingArena,
+                 guard: LayoutGuard, outputs: LayoutGuard, *counts: Any) -> None:  # fmt: skip
+        super().__init__(backend, plan, layout, arena, guard, outputs, *counts)
+        self.plan: GraphPlan = plan
         self.ring = HeaderRing(plan.header_depth, layout.device)
         self.recordings: list[Any] = []
         self._eager_limit = 0  # headers an eager launch has been asked to apply
@@ -68,7 +62,7 @@ class GraphMode:
         )
 
     # -- publishing ---------------------------------------------------------------------------------------------
-    def commit(self, ticketed: bool = True, call: str = "commit_staged_writes") -> int:
+    def publish(self, ticketed: bool = True, call: str = "commit_staged_writes") -> int:
         """Publish the staged batch as the next header (with a ticket: the batch of the next replay). Returns the
         header's index. `call`: the BlockTables method it runs for (messages).
 
@@ -177,6 +171,23 @@ class GraphMode:
         )  # fmt: skip
 
     # -- the BlockTables methods in graph mode ------------------------------------------------------------------
+    def apply(self) -> None:
+        """`BlockTables.apply_staged_writes`: `apply_staged_writes`, its failure raised as `failure`."""
+        self.enter("BlockTables.apply_staged_writes", True, False)
+        self.run(self.apply_staged_writes)
+
+    def commit(self) -> int:
+        """`BlockTables.commit_staged_writes`: `publish` with a ticket (the outputs checked too: captured stage
+        launches write them)."""
+        self.enter("BlockTables.commit_staged_writes", False, True)
+        return self.publish()
+
+    def launch(self, step: StepInputs, apply_staged: bool, consume: bool) -> None:
+        """`stage(step, consume)`, after `apply_staged_writes` when `apply_staged` alone."""
+        if apply_staged and not consume:
+            self.apply_staged_writes()
+        self.stage(step, consume)
+
     def apply_staged_writes(self, call: str = "apply_staged_writes") -> None:
         """Capturing: record the consume launch (each replay applies its ticket's batch); nothing is committed; a
         second consume launch in one capture is refused (`GraphCaptureError`). Otherwise: publish what is staged and
@@ -187,7 +198,6 @@ class GraphMode:
             GraphProtocolError: (eager) a mis-pairing the device recorded; nothing is published.
             GraphCaptureError: a second consume launch in one capture; nothing is recorded.
         """
-        self.guard.check()
         if is_capturing(self.layout.device):
             key = self._consume_key(call)
             self._keep()
@@ -204,7 +214,7 @@ class GraphMode:
                 self._apply_published()
             published = ring.published
             try:
-                self.commit(False, call)
+                self.publish(False, call)
             finally:
                 if ring.published != published:
                     self._stranded = True
@@ -234,10 +244,8 @@ class GraphMode:
 
     def stage(self, step: StepInputs, consume: bool) -> None:
         """Capturing: record the stage of `step` (after the consume launch if `consume`). Otherwise: apply first if
-        `consume` (as `apply_staged_writes`), then run the stage now."""
-        self.outputs_guard.check()
+        `consume` (as `apply_staged_writes`), then run the stage now. (The preamble checked the layout.)"""
         if is_capturing(self.layout.device):
-            self.guard.check()
             key = self._consume_key("prepare_inputs") if consume else None
             self._keep()
             self.recordings.append((step, self.plan.record_stage(self.ring, step, consume)))
@@ -246,8 +254,6 @@ class GraphMode:
             return
         if consume:
             self.apply_staged_writes("prepare_inputs")
-        else:
-            self.guard.check()
         self.plan.stage(step)
 
     def _consume_key(self, call: str) -> object:

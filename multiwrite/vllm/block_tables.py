@@ -15,11 +15,26 @@ import numpy as np
 import torch
 
 from multiwrite.errors import BlockTableWriteError, StagedWriteError
+from multiwrite.staging.fields import _cstaging
 from multiwrite.tables.block_tables import BlockTables as CoreBlockTables
 
 
-def _no_groups(req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
-    """`append_block_ids` of tables without KV-cache groups: nothing to stage."""
+class PyVllmStaging:
+    """`append_block_ids` of `BlockTables` where the compiled helper is not built: the Python path alone (the
+    compiled one is `_cstaging.VllmStaging`, whose calls it does not take exactly come here too)."""
+
+    def _bind_vllm(self, core: CoreBlockTables | None) -> None:
+        """Nothing to bind: every call takes the Python path."""
+
+    def append_block_ids(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
+        """Stage request row `req_index`'s new block ids (`BlockTables._append_block_ids`)."""
+        self._append_block_ids(req_index, new_block_ids, overwrite)  # type: ignore[attr-defined]
+
+
+#: The base class whose `append_block_ids` is the public one: compiled where the helper is built.
+VllmStaging: type = PyVllmStaging if _cstaging is None else _cstaging.VllmStaging
+#: The compiled staging of the core, which the compiled `append_block_ids` calls directly when the core uses it.
+_COMPILED_APPEND = None if _cstaging is None else _cstaging.BlockIdStaging.append_block_ids
 
 
 class GroupTable:
@@ -50,7 +65,7 @@ class BlockCounts:
         self.np, self.cpu, self.gpu = host, torch.from_numpy(host), device
 
 
-class BlockTables:
+class BlockTables(VllmStaging):
     """vLLM 0.33's `BlockTables` (same signature, methods and attributes), run by multiwrite (module docstring).
 
     Args:
@@ -132,13 +147,11 @@ class BlockTables:
                 cp_interleave=cp_interleave, cuda_graphs=cuda_graphs, slot_mapping_enabled=enabled,
                 dcp_sharded=sharded, sliding_window_reach=reach,
             )  # fmt: skip
-            self._append = self.core.append_block_ids  # (the core's staging: compiled C where built)
             self._tables = [GroupTable(t.tensor) for t in self.core.block_tables]
             self._counts = BlockCounts(self.core.num_blocks, self.core.num_blocks_device)
             self.input_block_tables = list(self.core.input_block_tables)
             self.slot_mappings = self.core.slot_mappings
         else:
-            self._append = _no_groups
             self._tables, self.input_block_tables = [], []
             empty = np.zeros((0, max_num_reqs), dtype=np.int32)
             self._counts = BlockCounts(empty, torch.zeros((0, max_num_reqs), dtype=torch.int32, device=self.device))
@@ -147,6 +160,9 @@ class BlockTables:
         self._enabled, self._reach = enabled, reach
         self.has_sliding_window_groups = any(r > 0 for r in reach)
         self._address_tensors()
+        # The common append goes straight into the core's compiled staging, where the core stages through it.
+        core = self.core
+        self._bind_vllm(core if core is not None and type(core).append_block_ids is _COMPILED_APPEND else None)
 
     # -- what vLLM reads ------------------------------------------------------------------------------------------
     @property
@@ -180,22 +196,26 @@ class BlockTables:
         )
 
     # -- the step -------------------------------------------------------------------------------------------------
-    def append_block_ids(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
-        """Stage request row `req_index`'s new block ids, one list per group (entries past the groups are ignored);
-        `overwrite`: from column 0. Counts (`num_blocks.np`) change at once.
+    # (`append_block_ids` is `VllmStaging`'s: compiled, the common call straight into the core's staging; every call
+    # it does not take exactly comes here)
+    def _append_block_ids(self, req_index: int, new_block_ids: Sequence[Sequence[int]], overwrite: bool) -> None:
+        """Stage request row `req_index`'s new block ids, one list per group (entries past the groups are ignored;
+        every id stages as the null block 0 while `redirect_writes_to_null_block` is true); `overwrite`: from column
+        0. Counts (`num_blocks.np`) change at once.
 
         Raises:
             BlockTableWriteError: a write past a row's capacity (naming request, group and capacity), a row outside
                 the tables, ids that are not integers; nothing of the call is staged, for any group.
         """
+        core = self.core
+        if core is None:
+            return
         if self.redirect_writes_to_null_block or len(new_block_ids) != self.num_kv_cache_groups:
-            if self.core is None:
-                return
             new_block_ids = new_block_ids[: self.num_kv_cache_groups]
             if self.redirect_writes_to_null_block:
                 new_block_ids = [[0] * len(ids) for ids in new_block_ids]
         try:
-            self._append(req_index, new_block_ids, overwrite)
+            core.append_block_ids(req_index, new_block_ids, overwrite)
         except StagedWriteError as exc:
             raise BlockTableWriteError(f"append_block_ids for request {req_index}: {exc}") from None
 

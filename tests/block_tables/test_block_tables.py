@@ -195,6 +195,8 @@ STAGE_JOBS = {
     "gather_block_tables": JOBS["gather_block_tables"],
     "compute_slot_mappings": lambda bt: bt.compute_slot_mappings(torch.tensor([0], dtype=I32),
                                                                  torch.tensor([0, 1], dtype=I32), torch.tensor([0]), 1),
+    "get_dummy_block_tables": lambda bt: bt.get_dummy_block_tables(2),  # (they write the outputs too)
+    "get_dummy_slot_mappings": lambda bt: bt.get_dummy_slot_mappings(2),
 }  # fmt: skip
 
 
