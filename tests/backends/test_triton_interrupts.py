@@ -24,7 +24,7 @@ from multiwrite.backends.triton.launcher import Launcher
 from multiwrite.backends.triton.ring import SlotRing
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.staging.arena import Lease
-from tests.support import host
+from tests.support.tables import host
 
 
 class Stream:

@@ -19,7 +19,9 @@ from multiwrite import BackendError, BlockTables, FusedStagedWriter, StagedWrite
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.testing.staging import block_tables_class
-from tests.support import CPU, HalfFailingBackend, RecordingBackend, host, mismatches, run_interleaved
+from tests.support.backends import HalfFailingBackend, RecordingBackend
+from tests.support.tables import CPU, host, mismatches
+from tests.support.threads import run_interleaved
 
 I32, I64 = torch.int32, torch.int64
 
@@ -270,8 +272,9 @@ def test_a_backend_failure_is_a_backend_error_and_a_retry_lands_every_write(stag
         ref.append_block_ids(*call)
     with pytest.raises(BackendError) as info:
         JOBS[job](bt)
-    assert "backend 'half-failing' (tests.support.HalfFailingBackend) failed applying 11 staged writes to group 0, " \
-           "group 1, group 2, num_blocks on cpu: RuntimeError: lost the device half-way" in str(info.value)  # fmt: skip
+    assert "backend 'half-failing' (tests.support.backends.HalfFailingBackend) failed applying 11 staged writes " \
+           "to group 0, group 1, group 2, num_blocks on cpu: RuntimeError: lost the device half-way" \
+           in str(info.value)  # fmt: skip
     assert isinstance(info.value.__cause__, RuntimeError) and info.value.backend is failing
     assert info.value.tables == ("group 0", "group 1", "group 2", "num_blocks")
     assert [t.num_staged_writes for t in bt.block_tables] == [3, 3, 2]

@@ -17,14 +17,8 @@ import torch
 from multiwrite import Backend
 from multiwrite.cli import main
 from multiwrite.plugins.dispatch import BACKEND_ENV
-from tests.support import (
-    SMALL_TRACE,
-    backend_source,
-    install_distribution,
-    multiwrite_command,
-    one_line_error,
-    subprocess_env,
-)
+from tests.support.distributions import backend_source, install_distribution
+from tests.support.processes import SMALL_TRACE, multiwrite_command, one_line_error, subprocess_env
 
 CPU = ["--device", "cpu", "--no-progress"]
 

@@ -25,7 +25,7 @@ from multiwrite.capture import simulated_capture
 from multiwrite.errors import GraphProtocolError
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.testing.staging import block_tables_class
-from tests.support import host
+from tests.support.tables import host
 
 CPU = torch.device("cpu")
 #: Three groups, kernel blocks 16/16/8 (group 1 writes each block id b as 2b, 2b + 1), small tables.

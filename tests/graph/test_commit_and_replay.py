@@ -14,7 +14,7 @@ from multiwrite.reference import compute_slot_mappings_reference, gather_block_t
 from multiwrite.staging.headers import H_COUNTS, INLINE_VALUES, INLINE_WRITES
 from multiwrite.workload import load_trace, max_blocks_per_group, replay_steps
 from tests.graph.model import BS, CPU, KBS, REQS, WIDTHS, GraphModel, graph_tables
-from tests.support import host
+from tests.support.tables import host
 
 TRACE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "small_trace.csv"
 

@@ -32,7 +32,7 @@ from tests.graph.model import (
     staged,
     two_unapplied_commits,
 )
-from tests.support import host
+from tests.support.tables import host
 
 
 def interrupting_sleep(monkeypatch) -> list[int]:

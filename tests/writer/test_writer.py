@@ -33,7 +33,9 @@ from multiwrite import (
 from multiwrite.reference import ReferenceStagedTable, apply_staged_reference, apply_writes_reference
 from multiwrite.staging.arena import StagingArena
 from multiwrite.testing.staging import block_tables_class
-from tests.support import CPU, HalfFailingBackend, RecordingBackend, examples, host, run_interleaved
+from tests.support.backends import HalfFailingBackend, RecordingBackend
+from tests.support.tables import CPU, examples, host
+from tests.support.threads import run_interleaved
 
 
 # -- staging order across arenas and tables sharing memory ----------------------------------------------------
@@ -271,8 +273,8 @@ def test_a_failing_backend_raises_backend_error_and_a_retry_lands_every_write():
         with pytest.raises(BackendError) as info:
             writer.apply([a, b, a])
         message = str(info.value)
-        assert "backend 'half-failing' (tests.support.HalfFailingBackend) failed applying 3 staged writes to a, b on " \
-               "cpu: RuntimeError: lost the device half-way" in message  # fmt: skip
+        assert "backend 'half-failing' (tests.support.backends.HalfFailingBackend) failed applying 3 staged writes " \
+               "to a, b on cpu: RuntimeError: lost the device half-way" in message  # fmt: skip
         assert "every staged write is still staged, and applying again lands them all" in message
         assert isinstance(info.value.__cause__, RuntimeError) and info.value.backend is failing
         assert info.value.tables == ("a", "b")
