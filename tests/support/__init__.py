@@ -5,6 +5,7 @@
 - `threads`: running workers on interleaved threads;
 - `fuzz`: the differential fuzz against `multiwrite.reference` (`run_fuzz`);
 - `soak`: the long-running leak check (`soak`, `rss_bytes`);
+- `interrupts`: the scenario of the interrupt tests, on CPU and GPU (`InterruptedTables`);
 - `processes`: fresh `multiwrite` processes and their environment, the small trace;
 - `distributions`: fake installed plugin distributions;
 - `interpreter`: whether Triton imports and its interpreter runs the kernels;
