@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import threading
 
 import numpy as np
 import pytest
@@ -379,37 +378,30 @@ def test_a_long_random_replay_matches_the_reference(backend, staging):
 
 def test_distinct_block_tables_from_eight_threads_match_the_reference(backend):
     steps = 5 if backend.interpreted else 100
-    failures: list[str] = []
-    barrier = threading.Barrier(8)
 
-    def worker(seed: int) -> None:
+    def worker(seed: int, ready) -> None:
         rng = np.random.default_rng(seed)
-        try:
-            bt = BlockTables([16, 32], 8, [6, 4], backend.device, [16, 16], backend=backend.name)
-            ref = ReferenceBlockTables([16, 32], 8, [6, 4], [16, 16])
-            barrier.wait()
-            for step in range(steps):
-                if step % 5 == 2:  # a batch staged, then dropped: the reference never sees it
-                    bt.append_block_ids_batch([0, 1], [([1], []), ([2], [3])], True)
-                    bt.clear_staged_writes()
-                calls = random_calls(rng, ref, int(rng.integers(1, 5)))
+        bt = BlockTables([16, 32], 8, [6, 4], backend.device, [16, 16], backend=backend.name)
+        ref = ReferenceBlockTables([16, 32], 8, [6, 4], [16, 16])
+        ready()
+        for step in range(steps):
+            if step % 5 == 2:  # a batch staged, then dropped: the reference never sees it
+                bt.append_block_ids_batch([0, 1], [([1], []), ([2], [3])], True)
+                bt.clear_staged_writes()
+            calls = random_calls(rng, ref, int(rng.integers(1, 5)))
+            for call in calls:
+                ref.append_block_ids(*call)
+            if step % 2:
+                bt.append_block_ids_batch(*map(list, zip(*calls)))
+            else:
                 for call in calls:
-                    ref.append_block_ids(*call)
-                if step % 2:
-                    bt.append_block_ids_batch(*map(list, zip(*calls)))
-                else:
-                    for call in calls:
-                        bt.append_block_ids(*call)
-                bt.apply_staged_writes()
-                ref.apply_staged_writes()
-            bad = mismatches(bt, ref)
-            if bad:
-                failures.append(f"thread {seed}: {bad}")
-        except Exception as exc:  # noqa: BLE001 - reported below with the thread
-            failures.append(f"thread {seed}: {exc!r}")
+                    bt.append_block_ids(*call)
+            bt.apply_staged_writes()
+            ref.apply_staged_writes()
+        bad = mismatches(bt, ref)
+        assert not bad, bad
 
-    run_interleaved(worker)
-    assert failures == []
+    assert run_interleaved(worker) == []
 
 
 def test_tables_built_and_used_inside_inference_mode(backend):
