@@ -190,6 +190,17 @@ def staged(m: GraphModel) -> list[int]:
     return [t.num_staged_writes for t in m.bt.block_tables]
 
 
+def report_one_replay_without_commit(m: GraphModel, replay: int) -> None:
+    """The next commit reports replay `replay`, and it alone, as one that found no commit (GraphProtocolError,
+    changing nothing); made again, the commit is the batch of the next replay (checked)."""
+    err = m.expect_report()
+    assert (err.replays_without_commit, err.last_replay, err.commits_without_replay) == (1, replay, 0)
+    assert f"replay {replay} (replays count from 0) found no commit for it" in str(err)
+    m.commit()
+    m.replay()
+    m.check("the replay after the commit made again")
+
+
 def two_unapplied_commits() -> GraphModel:
     """A header ring of two entries, both holding a committed batch no replay has applied; a third batch staged."""
     m = GraphModel(ring_depth=2)
