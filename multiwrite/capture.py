@@ -150,41 +150,36 @@ def capture_id(device: torch.device) -> object:
     return ident.value
 
 
+def _driver_function(name: str, *argtypes: type) -> Callable[..., int] | None:
+    """The CUDA driver's (libcuda) function `name`, taking `argtypes` and returning a `CUresult`, loaded at the first
+    call; None where the driver or the function cannot be had."""
+    if name not in _DRIVER:
+        try:
+            fn = getattr(ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"), name)
+            fn.argtypes = list(argtypes)
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _DRIVER[name] = fn
+    return _DRIVER[name]
+
+
+_DRIVER: dict[str, Callable[..., int] | None] = {}
+
+
 def _capture_info() -> Callable[..., int] | None:
     """The driver's `cuStreamGetCaptureInfo` (its first signature, which the unversioned symbol keeps: stream,
     status, id), or None where it cannot be had."""
-    global _CAPTURE_INFO
-    if _CAPTURE_INFO is _UNSEEN:
-        try:
-            lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-            fn = lib.cuStreamGetCaptureInfo
-            fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)]
-            fn.restype = ctypes.c_int
-            _CAPTURE_INFO = fn
-        except (OSError, AttributeError):
-            _CAPTURE_INFO = None
-    return _CAPTURE_INFO  # type: ignore[return-value]
-
-
-_CAPTURE_INFO: object = _UNSEEN
+    return _driver_function(
+        "cuStreamGetCaptureInfo", ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)
+    )
 
 
 def _exchange_capture_mode() -> Callable[[ctypes.c_int], int] | None:
     """The driver's `cuThreadExchangeStreamCaptureMode` (libcuda), or None where it cannot be had."""
-    global _EXCHANGE
-    if _EXCHANGE is _UNSEEN:
-        try:
-            lib = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-            fn = lib.cuThreadExchangeStreamCaptureMode
-            fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
-            fn.restype = ctypes.c_int
-            _EXCHANGE = fn
-        except (OSError, AttributeError):
-            _EXCHANGE = None
-    return _EXCHANGE  # type: ignore[return-value]
+    return _driver_function("cuThreadExchangeStreamCaptureMode", ctypes.POINTER(ctypes.c_int))
 
 
-_EXCHANGE: object = _UNSEEN
 _CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
 
 

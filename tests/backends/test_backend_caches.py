@@ -11,7 +11,7 @@ import torch
 
 from multiwrite import FusedStagedWriter, StagedWriteTensor
 from multiwrite.reference import apply_writes_reference
-from tests.support import host
+from tests.support.tables import host
 
 
 def test_a_float32_view_of_an_int32_table_already_known_is_written_with_float32_bits(backend):

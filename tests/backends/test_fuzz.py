@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.support import run_fuzz
+from tests.support.fuzz import run_fuzz
 
 SEED = 20240808
 

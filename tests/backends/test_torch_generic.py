@@ -10,7 +10,7 @@ import torch
 
 from multiwrite import BackendUnavailableError, WriteBatch, available_backends, select_backend
 from multiwrite.reference import apply_writes_reference
-from tests.support import host
+from tests.support.tables import host
 
 
 def test_it_runs_on_any_device_type_with_data_and_never_wins_where_a_native_backend_runs(auto_selection):

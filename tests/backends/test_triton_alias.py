@@ -14,7 +14,7 @@ from multiwrite import FusedStagedWriter, StagedWriteTensor
 from multiwrite.backends.triton.backend import TritonCudaBackend
 from multiwrite.backends.triton.device import TritonDevice, tables_alias
 from multiwrite.staging.arena import overlap_rounds
-from tests.support import host
+from tests.support.tables import host
 
 CPU = torch.device("cpu")
 

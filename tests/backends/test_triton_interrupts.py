@@ -12,19 +12,15 @@ from __future__ import annotations
 import time
 import types
 
-import numpy as np
 import pytest
-import torch
 
 import multiwrite.staging.wait as wait_module
-from multiwrite import BlockTables
 from multiwrite.backends.triton.backend import TritonCudaBackend
 from multiwrite.backends.triton.device import TritonDevice
 from multiwrite.backends.triton.launcher import Launcher
 from multiwrite.backends.triton.ring import SlotRing
-from multiwrite.reference import ReferenceBlockTables
 from multiwrite.staging.arena import Lease
-from tests.support import host
+from tests.support.interrupts import InterruptedTables
 
 
 class Stream:
@@ -137,52 +133,27 @@ def test_an_interrupt_anywhere_leaves_the_landed_batches_and_the_rest_staged(mon
     one slot ahead: the next apply landed on the very slot it had launched, and the next step's staging rewrote
     it under the queued kernel (rows 1 and 2 then held neither their ids nor zeros)."""
     stream = Stream(monkeypatch)
-    bt = BlockTables([16], 4, [64], "cpu", backend=TritonCudaBackend(ring_depth=2), max_num_batched_tokens=8)
-    ref = ReferenceBlockTables([16], 4, [64])
-
-    def stage(row, ids):
-        bt.append_block_ids(row, (ids,), True)
-        ref.append_block_ids(row, (ids,), True)
-
-    def run():
-        if how == "apply":
-            bt.apply_staged_writes()
-        else:
-            inputs = (torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0]))
-            alive.append(inputs)  # (read by queued launches: a GPU's allocator keeps them for the stream)
-            bt.prepare_inputs(*inputs, 1, 1)
-
-    landed, alive = [], []
-
-    def land():  # the reference's apply; `landed`: its tables as of it (`ref.tables` holds what is staged too)
-        ref.apply_staged_writes()
-        landed[:] = [t.copy() for t in ref.tables]
-
-    def check(what):
-        stream.sync()
-        np.testing.assert_array_equal(host(bt[0].tensor), landed[0], err_msg=what)
-        np.testing.assert_array_equal(host(bt.num_blocks_device), ref.num_blocks_applied, err_msg=what)
-
+    s = InterruptedTables(TritonCudaBackend(ring_depth=2), "cpu", 4, how, stream.sync)
     interrupt = Interrupt()
     install(point, interrupt, stream, monkeypatch)
-    stage(0, [1, 2, 3])
-    run()  # apply 1: its kernel stays queued
-    land()
-    stage(1, list(range(100, 110)))
+    s.stage(0, [1, 2, 3])
+    s.run()  # apply 1: its kernel stays queued
+    s.land()
+    s.stage(1, list(range(100, 110)))
     interrupt.arm()
     try:
-        run()
+        s.run()
     except KeyboardInterrupt:
         pass
     assert interrupt.fired == (2 if point == "issued, then again while drained" else 1)
-    if bt.num_staged_writes == 0:  # the apply landed: its kernel was issued
-        land()
-    stage(2, list(range(200, 230)))
-    check("after the interrupt")
+    if s.bt.num_staged_writes == 0:  # the apply landed: its kernel was issued
+        s.land()
+    s.stage(2, list(range(200, 230)))
+    s.check("after the interrupt")
     for step in range(3):  # later steps: apply, and stage the next step while the kernel is queued
-        run()
-        land()
-        stage(3, list(range(300 + step, 340)))
+        s.run()
+        s.land()
+        s.stage(3, list(range(300 + step, 340)))
         stream.sync()
-        check(f"step {step}")
-    assert bt.num_staged_writes == 2
+        s.check(f"step {step}")
+    assert s.bt.num_staged_writes == 2

@@ -21,7 +21,7 @@ from multiwrite.reference import (
     compute_slot_mappings_reference,
     gather_block_tables_reference,
 )
-from tests.support import host
+from tests.support.tables import host
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="drives the kernels through Triton's interpreter on CPU tables"

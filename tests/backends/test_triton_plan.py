@@ -20,7 +20,7 @@ from multiwrite.backends.triton.backend import TritonCudaBackend
 from multiwrite.backends.triton.launcher import Launcher
 from multiwrite.backends.triton.ring import SlotRing
 from multiwrite.reference import ReferenceBlockTables
-from tests.support import host
+from tests.support.tables import host
 
 BS, KBS, WIDTHS = [16, 32], [16, 16], [1200, 8]
 IDX, QSL, POS = [1, 0], [0, 1, 2], [3, 0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from multiwrite import StagedWriteError, WriteBatch, select_backend
-from tests.support import host
+from tests.support.tables import host
 
 
 def batch(tables, writes, dtype=np.int32, checked=False) -> WriteBatch:

@@ -11,7 +11,7 @@ import torch
 
 from multiwrite import BlockTables, FusedStagedWriter, StagedWriteTensor, apply_writes
 from multiwrite.reference import ReferenceBlockTables, apply_writes_reference
-from tests.support import host
+from tests.support.tables import host
 
 
 class ThreadWork:

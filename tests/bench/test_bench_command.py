@@ -15,7 +15,7 @@ from multiwrite import Backend, WriteBatch, available_backends, select_backend
 from multiwrite.bench.report import CSV_COLUMNS
 from multiwrite.cli import main
 from multiwrite.plugins.dispatch import BACKEND_ENV
-from tests.support import SMALL_TRACE, one_line_error
+from tests.support.processes import SMALL_TRACE, one_line_error
 
 # The tiny trace ends after ~20 steps, so no warm-up; a small burst keeps the run to a second.
 QUICK = ["bench", "--quick", "--trace", SMALL_TRACE, "--warmup", "0", "--no-progress", "--device", "cpu"]

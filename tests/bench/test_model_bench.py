@@ -15,7 +15,7 @@ from multiwrite.bench.model_step import ModelResult, measure_model
 from multiwrite.cli import main
 from multiwrite.plugins.dispatch import BACKEND_ENV
 from multiwrite.workload import load_trace
-from tests.support import SMALL_TRACE
+from tests.support.processes import SMALL_TRACE
 
 ARGS = ["bench", "--quick", "--trace", SMALL_TRACE, "--warmup", "0", "--no-progress", "--device", "cpu",
         "--configs", "G1", "--concurrency", "40", "--burst-reps", "0", "--model", "--model-preset", "tiny",

@@ -15,7 +15,8 @@ import torch
 
 from multiwrite import BlockTables, StagedWriteError
 from multiwrite.testing.staging import block_tables_class
-from tests.support import CPU, RecordingBackend, host
+from tests.support.backends import RecordingBackend
+from tests.support.tables import CPU, host
 
 BOOLS = [True, np.bool_(True), torch.tensor(True), np.array(True)]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import threading
 
 import numpy as np
 import pytest
@@ -19,7 +18,9 @@ from multiwrite import BackendError, BlockTables, FusedStagedWriter, StagedWrite
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.testing.staging import block_tables_class
-from tests.support import CPU, HalfFailingBackend, RecordingBackend, host, mismatches, run_interleaved
+from tests.support.backends import HalfFailingBackend, RecordingBackend
+from tests.support.tables import CPU, host, mismatches
+from tests.support.threads import run_interleaved
 
 I32, I64 = torch.int32, torch.int64
 
@@ -272,8 +273,9 @@ def test_a_backend_failure_is_a_backend_error_and_a_retry_lands_every_write(stag
         ref.append_block_ids(*call)
     with pytest.raises(BackendError) as info:
         JOBS[job](bt)
-    assert "backend 'half-failing' (tests.support.HalfFailingBackend) failed applying 11 staged writes to group 0, " \
-           "group 1, group 2, num_blocks on cpu: RuntimeError: lost the device half-way" in str(info.value)  # fmt: skip
+    assert "backend 'half-failing' (tests.support.backends.HalfFailingBackend) failed applying 11 staged writes " \
+           "to group 0, group 1, group 2, num_blocks on cpu: RuntimeError: lost the device half-way" \
+           in str(info.value)  # fmt: skip
     assert isinstance(info.value.__cause__, RuntimeError) and info.value.backend is failing
     assert info.value.tables == ("group 0", "group 1", "group 2", "num_blocks")
     assert [t.num_staged_writes for t in bt.block_tables] == [3, 3, 2]
@@ -378,37 +380,30 @@ def test_a_long_random_replay_matches_the_reference(backend, staging):
 
 def test_distinct_block_tables_from_eight_threads_match_the_reference(backend):
     steps = 5 if backend.interpreted else 100
-    failures: list[str] = []
-    barrier = threading.Barrier(8)
 
-    def worker(seed: int) -> None:
+    def worker(seed: int, ready) -> None:
         rng = np.random.default_rng(seed)
-        try:
-            bt = BlockTables([16, 32], 8, [6, 4], backend.device, [16, 16], backend=backend.name)
-            ref = ReferenceBlockTables([16, 32], 8, [6, 4], [16, 16])
-            barrier.wait()
-            for step in range(steps):
-                if step % 5 == 2:  # a batch staged, then dropped: the reference never sees it
-                    bt.append_block_ids_batch([0, 1], [([1], []), ([2], [3])], True)
-                    bt.clear_staged_writes()
-                calls = random_calls(rng, ref, int(rng.integers(1, 5)))
+        bt = BlockTables([16, 32], 8, [6, 4], backend.device, [16, 16], backend=backend.name)
+        ref = ReferenceBlockTables([16, 32], 8, [6, 4], [16, 16])
+        ready()
+        for step in range(steps):
+            if step % 5 == 2:  # a batch staged, then dropped: the reference never sees it
+                bt.append_block_ids_batch([0, 1], [([1], []), ([2], [3])], True)
+                bt.clear_staged_writes()
+            calls = random_calls(rng, ref, int(rng.integers(1, 5)))
+            for call in calls:
+                ref.append_block_ids(*call)
+            if step % 2:
+                bt.append_block_ids_batch(*map(list, zip(*calls)))
+            else:
                 for call in calls:
-                    ref.append_block_ids(*call)
-                if step % 2:
-                    bt.append_block_ids_batch(*map(list, zip(*calls)))
-                else:
-                    for call in calls:
-                        bt.append_block_ids(*call)
-                bt.apply_staged_writes()
-                ref.apply_staged_writes()
-            bad = mismatches(bt, ref)
-            if bad:
-                failures.append(f"thread {seed}: {bad}")
-        except Exception as exc:  # noqa: BLE001 - reported below with the thread
-            failures.append(f"thread {seed}: {exc!r}")
+                    bt.append_block_ids(*call)
+            bt.apply_staged_writes()
+            ref.apply_staged_writes()
+        bad = mismatches(bt, ref)
+        assert not bad, bad
 
-    run_interleaved(worker)
-    assert failures == []
+    assert run_interleaved(worker) == []
 
 
 def test_tables_built_and_used_inside_inference_mode(backend):

@@ -11,7 +11,7 @@ import torch
 
 from multiwrite import BackendError, BlockTables
 from multiwrite.plugins.backend import TablesPlan
-from tests.support import host
+from tests.support.tables import host
 
 WIDTHS = [4, 2, 6]
 

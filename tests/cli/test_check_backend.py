@@ -9,7 +9,7 @@ import pytest
 
 from multiwrite.cli import main
 from multiwrite.plugins.dispatch import BACKEND_ENV
-from tests.support import one_line_error
+from tests.support.processes import one_line_error
 
 
 @pytest.fixture(autouse=True)

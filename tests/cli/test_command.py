@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from multiwrite.cli import SUBCOMMANDS, build_parser, main
-from tests.support import subprocess_env
+from tests.support.processes import subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,14 +18,8 @@ import torch
 from multiwrite import Backend
 from multiwrite.cli import main
 from multiwrite.plugins.dispatch import BACKEND_ENV
-from tests.support import (
-    SMALL_TRACE,
-    backend_source,
-    install_distribution,
-    multiwrite_command,
-    one_line_error,
-    subprocess_env,
-)
+from tests.support.distributions import backend_source, install_distribution
+from tests.support.processes import SMALL_TRACE, multiwrite_command, one_line_error, subprocess_env
 
 CPU = ["--device", "cpu", "--no-progress"]
 
@@ -158,6 +153,18 @@ def multiwrite_backends():
 MARKER_PLUGIN = backend_source("Marker", "marker-cpu") + MARKER_SOURCE
 
 
+def interrupt(proc: subprocess.Popen, started: Callable[[], None]) -> tuple[str, str]:
+    """SIGINT to `proc` once `started()` returns, then its stdout and stderr (it is killed if it outlives the test)."""
+    try:
+        started()
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
 def test_ctrl_c_during_a_replay_ends_quietly_with_130(tmp_path):
     install_distribution(tmp_path, "marker-plugin", "marker_plugin", MARKER_PLUGIN)
@@ -166,18 +173,15 @@ def test_ctrl_c_during_a_replay_ends_quietly_with_130(tmp_path):
     argv = ["replay", "--steps", "100000000", "--concurrency", "256", "--backend", "marker-cpu", *CPU]
     proc = subprocess.Popen([*multiwrite_command(), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
-    try:
+
+    def started():
         deadline = time.monotonic() + 120
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marker.exists(), "the replay never started: " + (proc.stderr.read() if proc.poll() is not None else "")
         time.sleep(0.3)  # well inside the replay loop
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    stdout, stderr = interrupt(proc, started)
     assert proc.returncode == 130, stderr
     assert stderr.strip() == "multiwrite replay: interrupted" and stdout == ""
 
@@ -202,15 +206,12 @@ def test_ctrl_c_at_any_moment_of_the_first_seconds_ends_with_130_and_one_line(en
     for delay in DELAYS:
         proc = subprocess.Popen([sys.executable, "-c", code + ENTRIES[entry]], env=subprocess_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        try:
+
+        def started(proc=proc, delay=delay):
             assert proc.stderr.readline() == "started\n"
             time.sleep(delay)
-            proc.send_signal(signal.SIGINT)
-            stdout, stderr = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+
+        _, stderr = interrupt(proc, started)
         outcomes.append((delay, proc.returncode, stderr))
     for delay, rc, stderr in outcomes:
         line = one_line_error(stderr)  # one line, no traceback

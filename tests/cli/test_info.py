@@ -16,7 +16,8 @@ from multiwrite import Backend
 from multiwrite.cli import main
 from multiwrite.plugins.dispatch import BACKEND_ENV
 from tests.conftest import CPU_DEFAULT
-from tests.support import install_distribution, subprocess_env
+from tests.support.distributions import install_distribution
+from tests.support.processes import subprocess_env
 
 BUILTIN = ("compiled-cpu", "torch-cpu", "torch-generic", "triton-cuda", "triton-rocm")
 

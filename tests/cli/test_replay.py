@@ -13,7 +13,7 @@ from multiwrite import Backend, WriteBatch, select_backend
 from multiwrite.cli import main
 from multiwrite.plugins.dispatch import BACKEND_ENV
 from tests.conftest import CPU_DEFAULT
-from tests.support import SMALL_TRACE, multiwrite_command, subprocess_env
+from tests.support.processes import SMALL_TRACE, multiwrite_command, subprocess_env
 
 CPU = ["--device", "cpu", "--no-progress"]
 

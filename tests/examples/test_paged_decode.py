@@ -12,7 +12,7 @@ import torch
 from multiwrite.bench.paged_attention import PagedAttention
 from multiwrite.plugins.dispatch import BACKEND_ENV
 from multiwrite.workload import load_trace
-from tests.support import load_example
+from tests.support.example_scripts import load_example
 
 
 @pytest.fixture(scope="module")

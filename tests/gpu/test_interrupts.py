@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import signal
 
-import numpy as np
 import pytest
 import torch
 
-from multiwrite import BlockTables
-from multiwrite.reference import ReferenceBlockTables
 from tests.gpu.helpers import busy, gpu_backend, warm_up
+from tests.support.interrupts import InterruptedTables
 
 
 def _interrupt(signum, frame):
@@ -29,56 +27,32 @@ def test_an_interrupt_while_an_apply_waits_for_its_slot(device, backend_name, ho
     backend = gpu_backend(backend_name, ring_depth=2)
     if warm:
         warm_up(device, backend)
-    bt = BlockTables([16], 8, [64], device, backend=backend, max_num_batched_tokens=8)
-    ref = ReferenceBlockTables([16], 8, [64])
-    landed: list[np.ndarray] = []
-
-    def stage(row, ids):
-        bt.append_block_ids(row, (ids,), True)
-        ref.append_block_ids(row, (ids,), True)
-
-    def run():
-        if how == "apply":
-            bt.apply_staged_writes()
-        else:
-            idx = torch.tensor([0], device=device)
-            qsl = torch.tensor([0, 1], device=device)
-            bt.prepare_inputs(idx, qsl, torch.tensor([0], device=device), 1, 1)
-
-    def land():
-        ref.apply_staged_writes()
-        landed[:] = [t.copy() for t in ref.tables]
-
-    def check(what):
-        torch.cuda.synchronize(device)
-        np.testing.assert_array_equal(bt[0].tensor.cpu().numpy(), landed[0], err_msg=what)
-        np.testing.assert_array_equal(bt.num_blocks_device.cpu().numpy(), ref.num_blocks_applied, err_msg=what)
-
+    s = InterruptedTables(backend, device, 8, how, lambda: torch.cuda.synchronize(device))
     previous = signal.signal(signal.SIGALRM, _interrupt)
     try:
         busy(0.3)
-        stage(0, [1, 2, 3])
-        run()  # apply 1: queued behind the busy work
-        land()
-        stage(1, list(range(100, 110)))
+        s.stage(0, [1, 2, 3])
+        s.run()  # apply 1: queued behind the busy work
+        s.land()
+        s.stage(1, list(range(100, 110)))
         try:
             signal.setitimer(signal.ITIMER_REAL, delay)
-            run()  # waits for apply 1's slot
+            s.run()  # waits for apply 1's slot
             signal.setitimer(signal.ITIMER_REAL, 0)
         except KeyboardInterrupt:
             pass
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        if bt.num_staged_writes == 0:  # the call landed: its kernel was issued
-            land()
-        stage(2, list(range(200, 230)))
-        check("after the interrupt")
+        if s.bt.num_staged_writes == 0:  # the call landed: its kernel was issued
+            s.land()
+        s.stage(2, list(range(200, 230)))
+        s.check("after the interrupt")
         for step in range(3):  # later steps: each stages the next while its kernel is queued behind busy work
             busy(0.05)
-            run()
-            land()
-            stage(3 + step, list(range(300 + step, 340)))
-            check(f"step {step}")
+            s.run()
+            s.land()
+            s.stage(3 + step, list(range(300 + step, 340)))
+            s.check(f"step {step}")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -13,7 +13,8 @@ from multiwrite.bench.model import PRESETS
 from multiwrite.bench.model_step import measure_model
 from multiwrite.bench.paged_attention import PagedAttention
 from multiwrite.workload import load_trace
-from tests.support import SMALL_TRACE, load_example
+from tests.support.example_scripts import load_example
+from tests.support.processes import SMALL_TRACE
 
 
 def _measure(device, tamper=None):

@@ -9,12 +9,13 @@ import torch
 
 from multiwrite import select_backend
 from tests.gpu.helpers import RandomBlockTables, RandomTensors, busy, count_waits, gpu_backend, warm_up
-from tests.support import rss_bytes, run_fuzz, soak
+from tests.support.fuzz import run_fuzz
+from tests.support.soak import rss_bytes, soak
 
 
 @pytest.mark.parametrize("engine_args", [False, True], ids=["plain", "engine arguments"])
 def test_a_differential_fuzz_equals_the_reference(device, backend_name, engine_args):
-    """2,000 random batches on the GPU backend against the reference (`tests.support.run_fuzz`); with the engine's
+    """2,000 random batches on the GPU backend against the reference (`tests.support.fuzz.run_fuzz`); with the engine's
     apply arguments, two tables over one memory: on a GPU a round's writes run in parallel, so a wrong round
     grouping of aliasing tables shows here (the interpreter runs programs in order and cannot show it)."""
     stats = run_fuzz(backend_name, device, 2_000, 20240808, engine_args=engine_args)
@@ -40,7 +41,7 @@ def test_ten_thousand_applies_racing_a_busy_stream(device, backend_name, monkeyp
 
 
 def test_a_soak_of_20000_applies_keeps_resources_flat(device, backend_name):
-    """The short variant of the 100,000-apply soak (`tests.support.soak`), with GPU memory counted too; and the
+    """The short variant of the 100,000-apply soak (`tests.support.soak.soak`), with GPU memory counted too; and the
     backend's per-device caches stay within their bounds (white-box: the descriptor cache, the retiring rings)."""
     from multiwrite.backends.triton.device import DESCRIPTOR_CACHE_SIZE  # (here: Triton is not everywhere)
 

@@ -6,41 +6,34 @@ equal the core's torch stage step after step, with dummy entries and unsharded g
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from multiwrite import BlockTables
 from multiwrite.vllm import BlockTables as VllmBlockTables
+from tests.gpu.helpers import busy
 
 
-def test_a_slot_mapping_captured_without_graph_mode_reads_the_tables_at_each_replay(device, backend_name):
-    bt = BlockTables([16, 8], 4, [4, 4], device, backend=backend_name, max_num_batched_tokens=8)
-    bt.append_block_ids(2, ([1], [2]), True)
-    bt.apply_staged_writes()
-    idx = torch.tensor([2, -1], dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
-    pos = torch.tensor([3, 5, 0], dtype=torch.int64, device=device)
-    bt.compute_slot_mappings(idx, qsl, pos, 4)  # compiles outside the capture
-    bt.gather_block_tables(idx[:1], 1)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gathered = bt.gather_block_tables(idx[:1], 1)
-        slots = bt.compute_slot_mappings(idx, qsl, pos, 4)
-    for step, (a, b) in enumerate([(5, 6), (7, 9), (11, 3)]):
-        bt.append_block_ids(2, ([a], [b]), True)
-        bt.apply_staged_writes()
-        torch.cuda._sleep(20_000_000)  # the replay queues behind a busy stream, after the eager apply
-        graph.replay()
-        torch.cuda.synchronize(device)
-        assert slots.tolist() == [[a * 16 + 3, a * 16 + 5, -1, -1], [b * 8 + 3, b * 8 + 5, -1, -1]], step
-        assert gathered[0][0, 0].item() == a and gathered[1][0, 0].item() == b
+def new_tables(kind: str, device, backend_name: str):
+    """Tables of two groups (block sizes 16 and 8, 4 rows of 4 blocks, 8 tokens) without graph mode: the core's
+    `BlockTables`, or `multiwrite.vllm.BlockTables`."""
+    if kind == "vllm":
+        return VllmBlockTables([16, 8], 4, 8, [4, 4], device, backend=backend_name)
+    return BlockTables([16, 8], 4, [4, 4], device, backend=backend_name, max_num_batched_tokens=8)
 
 
-def test_a_replay_right_after_an_apply_reads_the_tables_with_its_writes(device, backend_name):
-    """Issue 23, item 3 (a): `multiwrite.vllm.BlockTables` deferred the apply into the next eager gather or slot
-    mapping, so a replay right after `apply_staged_writes()` read the tables without that step's writes; vLLM's
-    class (and this one now) applies at once."""
-    bt = VllmBlockTables([16, 8], 4, 8, [4, 4], device, backend=backend_name)
+@pytest.mark.parametrize("busy_s", [0.01, 0.0], ids=["behind-a-busy-stream", "right-after-the-apply"])
+@pytest.mark.parametrize("kind", ["core", "vllm"])
+def test_a_gather_and_slot_mapping_captured_without_graph_mode_read_the_tables_at_each_replay(
+    device, backend_name, kind, busy_s
+):
+    """A gather and `compute_slot_mappings` captured in one graph on tables without graph mode; each step an eager
+    apply, then the replay, queued behind a busy stream or right after the apply, with no eager gather or slot
+    mapping between them: the replay reads the tables with that step's writes. (Issue 23, item 3 (a):
+    `multiwrite.vllm.BlockTables` deferred the apply into the next eager gather or slot mapping, so a replay right
+    after `apply_staged_writes()` read the tables without that step's writes; vLLM's class, and this one now, applies
+    at once.)"""
+    bt = new_tables(kind, device, backend_name)
     bt.append_block_ids(2, ([1], [2]), True)
     bt.apply_staged_writes()
     idx = torch.tensor([2, -1], dtype=torch.int32, device=device)
@@ -56,7 +49,9 @@ def test_a_replay_right_after_an_apply_reads_the_tables_with_its_writes(device, 
     for step, (a, b) in enumerate([(5, 6), (7, 9), (11, 3)]):
         bt.append_block_ids(2, ([a], [b]), True)
         bt.apply_staged_writes()
-        graph.replay()  # no eager gather or slot mapping between the apply and the replay
+        if busy_s:
+            busy(busy_s)  # the replay queues behind a busy stream, after the eager apply
+        graph.replay()
         torch.cuda.synchronize(device)
         assert slots.tolist() == [[a * 16 + 3, a * 16 + 5, -1, -1], [b * 8 + 3, b * 8 + 5, -1, -1]], step
         assert gathered[0].tolist() == [[a, 0, 0, 0]] and gathered[1].tolist() == [[b, 0, 0, 0]], step

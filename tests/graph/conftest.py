@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support import skip_off_interpreter, triton_importable
+from tests.support.interpreter import skip_off_interpreter, triton_importable
 
 _HERE = Path(__file__).resolve().parent
 collect_ignore_glob = [] if triton_importable() else ["test_*.py"]

@@ -25,7 +25,7 @@ from multiwrite.capture import simulated_capture
 from multiwrite.errors import GraphProtocolError
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.testing.staging import block_tables_class
-from tests.support import host
+from tests.support.tables import host
 
 CPU = torch.device("cpu")
 #: Three groups, kernel blocks 16/16/8 (group 1 writes each block id b as 2b, 2b + 1), small tables.
@@ -188,6 +188,17 @@ def fill(m: GraphModel, rows, seed: int) -> None:
 
 def staged(m: GraphModel) -> list[int]:
     return [t.num_staged_writes for t in m.bt.block_tables]
+
+
+def report_one_replay_without_commit(m: GraphModel, replay: int) -> None:
+    """The next commit reports replay `replay`, and it alone, as one that found no commit (GraphProtocolError,
+    changing nothing); made again, the commit is the batch of the next replay (checked)."""
+    err = m.expect_report()
+    assert (err.replays_without_commit, err.last_replay, err.commits_without_replay) == (1, replay, 0)
+    assert f"replay {replay} (replays count from 0) found no commit for it" in str(err)
+    m.commit()
+    m.replay()
+    m.check("the replay after the commit made again")
 
 
 def two_unapplied_commits() -> GraphModel:

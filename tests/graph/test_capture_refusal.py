@@ -14,7 +14,7 @@ from multiwrite import capture as capture_module
 from multiwrite.capture import simulated_capture
 from multiwrite.errors import ForkedCudaError, GraphCaptureError
 from multiwrite.reference import ReferenceBlockTables, apply_writes_reference
-from tests.support import host
+from tests.support.tables import host
 
 
 def test_block_tables_apply_and_clear_during_a_capture_change_nothing(backend, staging):

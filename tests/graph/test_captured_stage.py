@@ -17,7 +17,7 @@ from multiwrite.errors import GraphCaptureError, StageInputError
 from multiwrite.reference import ReferenceBlockTables, compute_slot_mappings_reference, gather_block_tables_reference
 from multiwrite.workload import load_trace, max_blocks_per_group, replay_schedule
 from tests.graph.model import BS, CPU, KBS
-from tests.support import host
+from tests.support.tables import host
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "small_trace.csv"  # requests of at most 308 tokens
 #: table rows; the schedule uses rows < CONCURRENCY; NUM_REQS batch entries padded to REQS; TOKENS tokens

@@ -13,8 +13,8 @@ from multiwrite.errors import BackendUnavailableError, StagedWriteError
 from multiwrite.reference import compute_slot_mappings_reference, gather_block_tables_reference
 from multiwrite.staging.headers import H_COUNTS, INLINE_VALUES, INLINE_WRITES
 from multiwrite.workload import load_trace, max_blocks_per_group, replay_steps
-from tests.graph.model import BS, CPU, KBS, REQS, WIDTHS, GraphModel, graph_tables
-from tests.support import host
+from tests.graph.model import BS, CPU, KBS, REQS, WIDTHS, GraphModel, graph_tables, report_one_replay_without_commit
+from tests.support.tables import host
 
 TRACE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "small_trace.csv"
 
@@ -81,12 +81,7 @@ def test_a_warm_up_replay_is_reported_at_the_next_commit_and_the_commits_pair_wi
     m = GraphModel()
     m.replay()  # warm-up: nothing committed yet
     m.stage(0, ([1], [2], [3]), True)
-    err = m.expect_report()
-    assert (err.replays_without_commit, err.last_replay, err.commits_without_replay) == (1, 0, 0)
-    assert "replay 0 (replays count from 0) found no commit for it" in str(err)
-    m.commit()
-    m.replay()
-    m.check("the replay after the commit")
+    report_one_replay_without_commit(m, 0)
     assert m.bt[0].tensor[0, 0].item() == 1, "the replay after the commit did not apply the committed batch"
 
 

@@ -18,7 +18,8 @@ from multiwrite.testing.plugin import Kit, candidate_devices
 from multiwrite.testing.properties import *  # noqa: F403  (the kit's property tests, collected here)
 from multiwrite.testing.staging import PythonStagedBlockTables, block_tables_class
 from multiwrite.testing.suite import *  # noqa: F403  (the kit's suite, collected here)
-from tests.support import CPU, subprocess_env
+from tests.support.processes import subprocess_env
+from tests.support.tables import CPU
 
 
 def test_the_kit_tries_the_current_gpu_then_xpu_then_mps_then_cpu(monkeypatch):

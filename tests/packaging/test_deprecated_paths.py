@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import install_distribution, subprocess_env
+from tests.support.distributions import install_distribution
+from tests.support.processes import subprocess_env
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -1,5 +1,6 @@
 """The layout of the test suite itself: every test lives in a room (a package one level below the tests root, named
-for what it covers), the root holds only the shared conftest and helpers, and file names say what they test."""
+for what it covers), the root holds only the shared conftest and the package of shared helpers (`support/`), and file
+names say what they test."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 #: What the tests root itself may hold besides the rooms.
-ROOT_FILES = {"__init__.py", "conftest.py", "support.py"}
+ROOT_FILES = {"__init__.py", "conftest.py"}
 #: Directories of the tests root that are no rooms: they hold no Python.
 NOT_ROOMS = {"data", "__pycache__"}
+#: The package of helpers shared by the rooms: no room, it holds no tests.
+SUPPORT = "support"
 #: Words that tell the history of a test instead of what it checks.
 HISTORY = re.compile(r"regression|first_hour|holes|issue_?\d|bug_?\d|fix(ed)?_|old_|new_")
 
 
 def _rooms() -> list[Path]:
-    return sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name not in NOT_ROOMS and not p.name.startswith("."))
+    skip = NOT_ROOMS | {SUPPORT}
+    return sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name not in skip and not p.name.startswith("."))
 
 
 def test_the_root_holds_no_test_file_only_the_shared_conftest_and_helpers():
@@ -24,6 +28,8 @@ def test_the_root_holds_no_test_file_only_the_shared_conftest_and_helpers():
     assert not [f for f in files if f.startswith("test_")], "tests outside a room"
     assert files <= ROOT_FILES, sorted(files - ROOT_FILES)
     assert (TESTS / "__init__.py").is_file()
+    support = TESTS / SUPPORT
+    assert (support / "__init__.py").is_file() and not list(support.rglob("test_*.py")), "support/ holds tests"
 
 
 def test_every_room_is_a_package_one_level_deep_with_tests_of_its_own():

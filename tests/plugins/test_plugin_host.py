@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BUILTIN, CPU_DEFAULT
-from tests.support import backend_source, install_distribution, subprocess_env
+from tests.support.distributions import backend_source, install_distribution
+from tests.support.processes import subprocess_env
 
 # Uses the library as a host program would, with a forced built-in, then reports what dispatch sees.
 PROGRAM = """

@@ -20,7 +20,7 @@ from multiwrite.reference import PAD_SLOT_ID, compute_slot_mappings_reference
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.stage.step import StepInputs
 from multiwrite.staging.arena import StagingArena
-from tests.support import CPU, host
+from tests.support.tables import CPU, host
 
 I32, I64 = torch.int32, torch.int64
 

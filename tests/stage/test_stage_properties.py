@@ -24,7 +24,7 @@ from multiwrite.reference import (
     compute_slot_mappings_reference,
     gather_block_tables_reference,
 )
-from tests.support import examples, host
+from tests.support.tables import examples, host
 
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
 

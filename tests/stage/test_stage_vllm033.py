@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from multiwrite import BlockTables
 from multiwrite.reference import compute_slot_mappings_reference, gather_block_tables_reference
 from tests.stage.test_stage_properties import SETTINGS, configs, reference, step, to_input, write_round
-from tests.support import examples, host
+from tests.support.tables import examples, host
 
 
 @st.composite

@@ -14,7 +14,8 @@ import torch
 
 from multiwrite import FusedStagedWriter, StagedWriteTensor
 from multiwrite.staging.arena import StagingArena
-from tests.support import CPU, RecordingBackend, host
+from tests.support.backends import RecordingBackend
+from tests.support.tables import CPU, host
 
 
 def shared_arena() -> tuple[StagingArena, StagedWriteTensor, StagedWriteTensor]:

@@ -28,7 +28,8 @@ from multiwrite.staging import fields
 from multiwrite.staging.arena import StagingArena
 from multiwrite.staging.block_ids import PyBlockIdStaging
 from multiwrite.testing.staging import PythonStagedBlockTables, block_tables_class
-from tests.support import RecordingBackend, host, mismatches
+from tests.support.backends import RecordingBackend
+from tests.support.tables import host, mismatches
 
 BS, KBS, WIDTHS, REQS = [16, 32, 8], [16, 16, 8], [6, 5, 7], 5  # kernel blocks per block: 1, 2, 1
 needs_c = pytest.mark.skipif(not fields.COMPILED, reason="multiwrite.staging._cstaging is not built")

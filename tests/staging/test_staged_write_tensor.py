@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from multiwrite import FusedStagedWriter, StagedWriteError, StagedWriteTensor
-from tests.support import CPU, host
+from tests.support.tables import CPU, host
 
 BOOLS = [True, np.bool_(True), torch.tensor(True), np.array(True)]
 BOOL_IDS = ["bool", "np.bool_", "tensor", "ndarray"]

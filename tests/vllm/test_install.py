@@ -145,83 +145,39 @@ def test_multiwrite_class_has_the_033_signature_plus_keyword_only_extras():
     assert ours().redirect_writes_to_null_block is False
 
 
+#: Classes that differ from vLLM 0.33's: the stand-in's `__init__` parameters, its changed methods, and what the
+#: refusal must name.
+# fmt: off
 REFUSED = [
-    pytest.param(
-        INIT.replace("max_num_batched_tokens", "max_num_tokens"),
-        {},
-        ["parameter 3 is named 'max_num_tokens', expected 'max_num_batched_tokens'"],
-        id="renamed",
-    ),
-    pytest.param(
-        INIT.replace("cp_size=1, cp_rank=0", "cp_rank=0, cp_size=1"),
-        {},
-        ["parameters in the order", "cp_rank, cp_size", "expected", "cp_size, cp_rank"],
-        id="reordered",
-    ),
-    pytest.param(
-        INIT + ", kv_cache_dtype=None",
-        {},
-        ["unexpected parameter 'kv_cache_dtype' at position 12"],
-        id="extra",
-    ),
-    pytest.param(
-        INIT + ", *, pin_memory=False",
-        {},
-        ["unexpected parameter 'pin_memory' at position 12"],
-        id="extra-keyword-only",
-    ),
-    pytest.param(
-        INIT.replace(", sliding_window_reach=None", ""),
-        {},
-        ["lacks parameter 'sliding_window_reach' (expected at position 11)"],
-        id="missing",
-    ),
-    pytest.param(
-        INIT.replace("cp_interleave=1", "cp_interleave=2"),
-        {},
-        ["parameter 'cp_interleave' has default 2, expected default 1"],
-        id="changed-default",
-    ),
-    pytest.param(
-        INIT.replace("device,", "device=None,"),
-        {},
-        ["parameter 'device' has default None, expected no default (required)"],
-        id="new-default",
-    ),
-    pytest.param(
-        INIT.replace("cp_size=1", "cp_size=True"),
-        {},
-        ["parameter 'cp_size' has default True, expected default 1"],
-        id="default-of-another-type",
-    ),
-    pytest.param(
-        INIT.replace("None, sliding_window_reach", "None, *, sliding_window_reach"),
-        {},
-        ["parameter 'sliding_window_reach' is keyword-only, expected positional or keyword"],
-        id="keyword-only",
-    ),
-    pytest.param(
-        INIT,
-        {"get_dummy_slot_mappings": None},
-        ["BlockTables lacks method 'get_dummy_slot_mappings'(num_tokens)"],
-        id="missing-method",
-    ),
-    pytest.param(
-        INIT,
-        {"gather_block_tables": "idx_mapping, num_reqs_padded, out=None, out_ptrs=None"},
-        [
-            "BlockTables.gather_block_tables takes (idx_mapping, num_reqs_padded, out, out_ptrs), expected "
-            "(idx_mapping, num_reqs_padded, out, out_ptrs, num_computed_tokens)"
-        ],
-        id="method-parameter-missing",
-    ),
-    pytest.param(
-        INIT,
-        {"append_block_ids": "req_index, block_ids, overwrite"},
-        ["BlockTables.append_block_ids takes (req_index, block_ids, overwrite)"],
-        id="method-parameter-renamed",
-    ),
+    pytest.param(INIT.replace("max_num_batched_tokens", "max_num_tokens"), {},
+                 ["parameter 3 is named 'max_num_tokens', expected 'max_num_batched_tokens'"], id="renamed"),
+    pytest.param(INIT.replace("cp_size=1, cp_rank=0", "cp_rank=0, cp_size=1"), {},
+                 ["parameters in the order", "cp_rank, cp_size", "expected", "cp_size, cp_rank"], id="reordered"),
+    pytest.param(INIT + ", kv_cache_dtype=None", {}, ["unexpected parameter 'kv_cache_dtype' at position 12"],
+                 id="extra"),
+    pytest.param(INIT + ", *, pin_memory=False", {}, ["unexpected parameter 'pin_memory' at position 12"],
+                 id="extra-keyword-only"),
+    pytest.param(INIT.replace(", sliding_window_reach=None", ""), {},
+                 ["lacks parameter 'sliding_window_reach' (expected at position 11)"], id="missing"),
+    pytest.param(INIT.replace("cp_interleave=1", "cp_interleave=2"), {},
+                 ["parameter 'cp_interleave' has default 2, expected default 1"], id="changed-default"),
+    pytest.param(INIT.replace("device,", "device=None,"), {},
+                 ["parameter 'device' has default None, expected no default (required)"], id="new-default"),
+    pytest.param(INIT.replace("cp_size=1", "cp_size=True"), {},
+                 ["parameter 'cp_size' has default True, expected default 1"], id="default-of-another-type"),
+    pytest.param(INIT.replace("None, sliding_window_reach", "None, *, sliding_window_reach"), {},
+                 ["parameter 'sliding_window_reach' is keyword-only, expected positional or keyword"],
+                 id="keyword-only"),
+    pytest.param(INIT, {"get_dummy_slot_mappings": None},
+                 ["BlockTables lacks method 'get_dummy_slot_mappings'(num_tokens)"], id="missing-method"),
+    pytest.param(INIT, {"gather_block_tables": "idx_mapping, num_reqs_padded, out=None, out_ptrs=None"},
+                 ["BlockTables.gather_block_tables takes (idx_mapping, num_reqs_padded, out, out_ptrs), expected "
+                  "(idx_mapping, num_reqs_padded, out, out_ptrs, num_computed_tokens)"], id="method-parameter-missing"),
+    pytest.param(INIT, {"append_block_ids": "req_index, block_ids, overwrite"},
+                 ["BlockTables.append_block_ids takes (req_index, block_ids, overwrite)"],
+                 id="method-parameter-renamed"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("init, methods, phrases", REFUSED)

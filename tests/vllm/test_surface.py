@@ -14,7 +14,7 @@ import torch
 
 from multiwrite import StageInputError
 from multiwrite.vllm import BlockTables
-from tests.support import host
+from tests.support.tables import host
 
 VLLM_033_PARAMETERS = [
     "block_sizes", "max_num_reqs", "max_num_batched_tokens", "max_num_blocks_per_group", "device", "cp_size",

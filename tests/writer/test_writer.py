@@ -33,7 +33,9 @@ from multiwrite import (
 from multiwrite.reference import ReferenceStagedTable, apply_staged_reference, apply_writes_reference
 from multiwrite.staging.arena import StagingArena
 from multiwrite.testing.staging import block_tables_class
-from tests.support import CPU, HalfFailingBackend, RecordingBackend, examples, host, run_interleaved
+from tests.support.backends import HalfFailingBackend, RecordingBackend
+from tests.support.tables import CPU, examples, host
+from tests.support.threads import run_interleaved
 
 
 # -- staging order across arenas and tables sharing memory ----------------------------------------------------
@@ -271,8 +273,8 @@ def test_a_failing_backend_raises_backend_error_and_a_retry_lands_every_write():
         with pytest.raises(BackendError) as info:
             writer.apply([a, b, a])
         message = str(info.value)
-        assert "backend 'half-failing' (tests.support.HalfFailingBackend) failed applying 3 staged writes to a, b on " \
-               "cpu: RuntimeError: lost the device half-way" in message  # fmt: skip
+        assert "backend 'half-failing' (tests.support.backends.HalfFailingBackend) failed applying 3 staged writes " \
+               "to a, b on cpu: RuntimeError: lost the device half-way" in message  # fmt: skip
         assert "every staged write is still staged, and applying again lands them all" in message
         assert isinstance(info.value.__cause__, RuntimeError) and info.value.backend is failing
         assert info.value.tables == ("a", "b")
@@ -369,40 +371,32 @@ def test_apply_writes_applies_the_tables_of_each_device_through_that_devices_wri
 
 def test_distinct_tables_and_writers_from_eight_threads_match_the_reference(backend):
     steps = 6 if backend.interpreted else 120
-    failures: list[str] = []
-    barrier = threading.Barrier(8)
 
-    def worker(seed: int) -> None:
+    def worker(seed: int, ready) -> None:
         rng = np.random.default_rng(seed)
-        try:
-            ints = StagedWriteTensor((4, 8), torch.int32, backend.device, name=f"ints{seed}", kernel_blocks_per_block=2)
-            floats = StagedWriteTensor(16, torch.float32, backend.device, name=f"floats{seed}")
-            writer = FusedStagedWriter(backend.device, backend.name)
-            ints_ref, floats_ref = np.zeros((4, 8), np.int64), np.zeros((16, 1), np.float64)
-            barrier.wait()
-            for step in range(steps):
-                writes = [(int(rng.integers(0, 4)), int(rng.integers(0, 5)), rng.integers(0, 99, size=2).tolist())
-                          for _ in range(int(rng.integers(1, 4)))]  # fmt: skip
-                for row, start, values in writes:
-                    ints.stage_write(row, start, values)
-                apply_writes_reference(ints_ref, writes, 2)
-                cell = int(rng.integers(0, 16))
-                floats.stage_write_elem(cell, step + 0.5)
-                floats_ref[cell, 0] = step + 0.5
-                # a short-lived table of a changing shape: the backends' caches fill and evict meanwhile
-                short = StagedWriteTensor((3, 3 + (seed + step) % 7), torch.int64, backend.device, name="short")
-                short.stage_write(step % 3, 1, [seed, step])
-                if step % 2 and backend.name == FusedStagedWriter.default_for(backend.device).backend.NAME:
-                    apply_writes(ints, floats, short)  # this thread's shared writer
-                else:
-                    writer.apply([ints, short, floats])
-                if host(short.tensor)[step % 3, 1:3].tolist() != [seed, step]:
-                    failures.append(f"thread {seed} step {step}: a short-lived table differs")
-            same = host(ints.tensor).tolist() == ints_ref.tolist()
-            if not same or host(floats.tensor).tolist() != floats_ref[:, 0].tolist():
-                failures.append(f"thread {seed}: its tables differ from the reference")
-        except Exception as exc:  # noqa: BLE001 - reported below with the thread
-            failures.append(f"thread {seed}: {exc!r}")
+        ints = StagedWriteTensor((4, 8), torch.int32, backend.device, name=f"ints{seed}", kernel_blocks_per_block=2)
+        floats = StagedWriteTensor(16, torch.float32, backend.device, name=f"floats{seed}")
+        writer = FusedStagedWriter(backend.device, backend.name)
+        ints_ref, floats_ref = np.zeros((4, 8), np.int64), np.zeros((16, 1), np.float64)
+        ready()
+        for step in range(steps):
+            writes = [(int(rng.integers(0, 4)), int(rng.integers(0, 5)), rng.integers(0, 99, size=2).tolist())
+                      for _ in range(int(rng.integers(1, 4)))]  # fmt: skip
+            for row, start, values in writes:
+                ints.stage_write(row, start, values)
+            apply_writes_reference(ints_ref, writes, 2)
+            cell = int(rng.integers(0, 16))
+            floats.stage_write_elem(cell, step + 0.5)
+            floats_ref[cell, 0] = step + 0.5
+            # a short-lived table of a changing shape: the backends' caches fill and evict meanwhile
+            short = StagedWriteTensor((3, 3 + (seed + step) % 7), torch.int64, backend.device, name="short")
+            short.stage_write(step % 3, 1, [seed, step])
+            if step % 2 and backend.name == FusedStagedWriter.default_for(backend.device).backend.NAME:
+                apply_writes(ints, floats, short)  # this thread's shared writer
+            else:
+                writer.apply([ints, short, floats])
+            assert host(short.tensor)[step % 3, 1:3].tolist() == [seed, step], f"step {step}: a short-lived table"
+        assert host(ints.tensor).tolist() == ints_ref.tolist(), "its int32 table differs from the reference"
+        assert host(floats.tensor).tolist() == floats_ref[:, 0].tolist(), "its float32 table differs from the reference"
 
-    run_interleaved(worker)
-    assert failures == []
+    assert run_interleaved(worker) == []
