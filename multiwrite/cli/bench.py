@@ -106,8 +106,8 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small run for a smoke test: G1,G3, 120 steps, small burst; with --model, 60 model steps and on a CPU the "
-        "tiny preset (about a minute on 2 cores; it says what it chose); its goal verdicts are indicative only",
+        help="small run for a smoke test: G1,G3, 120 steps, small burst; with --model, 40 model steps at C=40 and on a "
+        "CPU the tiny preset (about a minute on 2 cores; it says what it chose); its goal verdicts are indicative only",
     )
     add_trace_option(p, MAX_PROMPT_TOKENS)
     p.add_argument("--configs", type=config_list, help=f"configurations among {','.join(CONFIGS)} (all)")
@@ -198,7 +198,7 @@ def run_bench(
     total = len(opts.configs) * len(opts.concurrency) * opts.steps * passes + opts.burst_reps
     total += 2 * len(opts.concurrency) * opts.steps if launch else 0
     total += len(stage_configs) * len(opts.concurrency) * opts.steps if stage else 0
-    total += len(opts.concurrency) * model.steps if model else 0
+    total += len(model.concurrency) * model.steps if model else 0
     result = BenchResult(
         timestamp, environment(device), backend_name, f"{trace.source} ({len(trace)} requests)", opts.steps, opts.warmup
     )
@@ -231,7 +231,7 @@ def run_bench(
         if model is not None:
             from multiwrite.cli.bench_model import run_model
 
-            result.model = run_model(model, trace, device, backend, opts, tick)
+            result.model = run_model(model, trace, device, backend, tick)
     result.interpreted = ran_interpreted(backend_obj)
     result.quick = opts.steps < FULL.steps or opts.burst_reps < FULL.burst_reps
     return result
