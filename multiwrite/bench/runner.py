@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from multiwrite.tables.block_tables import BlockTables
 from multiwrite.workload import CONFIGS, StagedCall, Trace, max_blocks_per_group, replay_steps
 
 Tick = Callable[[int], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def launch_paths(backend: object) -> str:
     return str(paths()) if callable(paths) else ""
 
 
-def rotations(runners: list) -> list[list]:
+def rotations(runners: list[T]) -> list[list[T]]:
     """Every rotation of `runners`: step i runs them in the order `rotations(runners)[i % len(runners)]`."""
     return [runners[k:] + runners[:k] for k in range(len(runners))]
 

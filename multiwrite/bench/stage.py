@@ -286,10 +286,9 @@ def stage_lines(r: StageResult, gpu: bool, format_table: Callable) -> list[str]:
         "through multiwrite.vllm.BlockTables (kernel block = block); vllm-0.33: the same calls on vLLM 0.33's own "
         "BlockTables"
     )
-    fill = {"width": 110, "initial_indent": "  ", "subsequent_indent": "  "}
-    out = ["", textwrap.fill(head, 110), textwrap.fill(legend, **fill)]
+    out = ["", textwrap.fill(head, 110), textwrap.fill(legend, 110, initial_indent="  ", subsequent_indent="  ")]
     if any(x["path"] for x in r.rows):
-        out.append(textwrap.fill(PATHS, **fill))
+        out.append(textwrap.fill(PATHS, 110, initial_indent="  ", subsequent_indent="  "))
     for config in configs:
         out.append(textwrap.fill(describe(config), 110, initial_indent="  ", subsequent_indent="    "))
         out += format_table(

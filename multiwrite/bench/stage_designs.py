@@ -53,8 +53,8 @@ class Design:
 
     Attributes:
         name, launches: how the report names it and counts its launches per step.
-        path: how its buffers reach the device where a design has a choice (vLLM's own class: "uva" or
-            "fallback"), else "".
+        path, why: how its buffers reach the device where a design has a choice (vLLM's own class: "uva" or
+            "fallback"), else ""; why the fallback.
         config: the tables' configuration (G3 by default; `bench.model_step` runs the designs on G1).
         bt: its multiwrite `BlockTables` (None for vLLM's own class).
     """
@@ -62,6 +62,7 @@ class Design:
     name = ""
     launches = ""
     path = ""
+    why = ""
 
     def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int,
                  config: str = STAGE_CONFIG):  # fmt: skip
@@ -158,7 +159,6 @@ class Vllm033(VllmDesign):
     says why)."""
 
     name, launches = "vllm-0.33", "3"
-    why = ""
 
     def make(self, bs, concurrency, max_tokens, widths, device, backend):
         from multiwrite.vllm.upstream import VllmSourceError, load_vllm_anchor

@@ -225,8 +225,8 @@ def run_bench(
                 empty, floor = empty_launcher(device), "floor-triton"
             else:
                 empty, floor = (lambda: backend_obj.apply([])), "floor"
-            c = opts.concurrency
-            result.stage = measure_stage(trace, device, backend, opts.steps, opts.warmup, c, empty, floor, tick,
+            cs = opts.concurrency
+            result.stage = measure_stage(trace, device, backend, opts.steps, opts.warmup, cs, empty, floor, tick,
                                          configs=stage_configs)  # fmt: skip
         if model is not None:
             from multiwrite.cli.bench_model import run_model
