@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from multiwrite.bench.model_step import ModelResult
+from multiwrite.bench.stage import PATHS
 
 #: What the TPOT figures assume and leave out, printed with them (report and plot).
 ASSUMPTIONS = (
@@ -30,7 +31,8 @@ LEGEND = {
     "ours": "multiwrite prepare_inputs (staging + one launch)",
     "graph-mode": "multiwrite graph mode (staging + commit; the stage replays in a graph)",
     "vllm-3-calls": "multiwrite.vllm.BlockTables, vLLM's calls: append loop, apply, gather, slot mappings",
-    "vllm-0.33": "vLLM 0.33's own BlockTables (multiwrite.vllm.upstream: an installed vLLM or its files), same calls",
+    "vllm-0.33": "vLLM 0.33's own BlockTables (multiwrite.vllm.upstream: an installed vLLM or its files), same calls, "
+    "on vLLM's UVA path or its fallback (the design's name says which)",
     "anchor-3": "our apply + vLLM-style gather and slot-mapping kernels (three launches)",
 }
 
@@ -93,7 +95,7 @@ def model_lines(result: ModelResult, format_table: Callable) -> list[str]:
     out += format_table(
         ["C", "design", "launches", "stage (p99)", "eager TPOT", "share", "graph TPOT", "share", "hides",
          "margin", "verified"],
-        [[str(d["C"]), d["variant"], d["launches"], f"{d['stage_us']:.1f} ({d['stage_p99_us']:.1f})",
+        [[str(d["C"]), d["label"], d["launches"], f"{d['stage_us']:.1f} ({d['stage_p99_us']:.1f})",
           _us(d["eager_tpot_us"]), _pct(d["eager_share"]), _us(d["graph_tpot_us"]), _pct(d["graph_share"]),
           "-" if d["hides"] is None else "yes" if d["hides"] else "no", _us(d["async_margin_us"]),
           "no" if d["mismatch"] else "yes"] for d in derived(result)],
@@ -103,12 +105,14 @@ def model_lines(result: ModelResult, format_table: Callable) -> list[str]:
         out += ["", "  async scheduling, measured: the stage run right after the previous step's replay is launched"]
         out += format_table(
             ["C", "design", "steps", "stage host (device busy)", "hidden", "exposed"],
-            [[str(d["C"]), d["variant"], str(d["behind_n"]), _us(d["busy_host_us"]), _pct(d["hidden_frac"]),
+            [[str(d["C"]), d["label"], str(d["behind_n"]), _us(d["busy_host_us"]), _pct(d["hidden_frac"]),
               _us(d["exposed_us"])] for d in behind],
         )  # fmt: skip
     ran = {d["variant"] for d in result.rows}
     out += [textwrap.fill(f"{k}: {v}", 110, initial_indent="  ", subsequent_indent="    ")
             for k, v in LEGEND.items() if k in ran]  # fmt: skip
+    if any(d.get("path") for d in result.rows):
+        out.append(textwrap.fill(PATHS, 110, initial_indent="  ", subsequent_indent="    "))
     out += [f"  {s}" for s in result.skipped]
     out.append(textwrap.fill("assumptions: " + ASSUMPTIONS, 110, initial_indent="  ", subsequent_indent="    "))
     return out
@@ -131,11 +135,11 @@ def model_csv_rows(result: ModelResult, base: dict[str, str]) -> list[dict[str, 
             if math.isfinite(s[metric]):
                 rows.append(row("model", s["C"], f"model_{metric}", s[metric], math.nan, s["steps"], not s["mismatch"]))
     for d in result.rows:
-        rows.append(row(f"model-{d['variant']}", d["C"], "model_stage_host_us", d["stage_us"], d["stage_p99_us"],
+        rows.append(row(f"model-{d['label']}", d["C"], "model_stage_host_us", d["stage_us"], d["stage_p99_us"],
                         d["n"], not d["mismatch"]))  # fmt: skip
         if d.get("behind_n"):
             for metric, key in (("model_stage_busy_host_us", "busy_host_us"), ("model_stage_exposed_us", "exposed_us")):
-                rows.append(row(f"model-{d['variant']}", d["C"], metric, d[key], math.nan, d["behind_n"],
+                rows.append(row(f"model-{d['label']}", d["C"], metric, d[key], math.nan, d["behind_n"],
                                 not d["mismatch"]))  # fmt: skip
     return rows
 
@@ -160,7 +164,7 @@ def write_model_plot(result: ModelResult, env: dict[str, str], path: str | Path)
         for ci, c in enumerate(cs):
             ax = axes[mi][ci]
             mine = [d for d in rows if d["C"] == c and math.isfinite(d[tpot_key])]
-            names = [d["variant"] for d in mine]
+            names = [d["label"] for d in mine]
             stage = [d["stage_us"] for d in mine]
             rest = [d[tpot_key] - d["stage_us"] for d in mine]
             ax.barh(names, rest, color="#9db4d0", label="rest of the step")

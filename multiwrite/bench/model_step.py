@@ -44,7 +44,8 @@ import torch
 
 from multiwrite.bench.model import DecoderStack, ModelShape, model_dtype
 from multiwrite.bench.paged_attention import DESCRIPTIONS, PagedAttention, PagedBatch, dense_attention
-from multiwrite.bench.stage import _check, build_designs
+from multiwrite.bench.runner import gc_paused, rotations
+from multiwrite.bench.stage import _check, build_designs, note_path, time_stage
 from multiwrite.bench.stage_designs import (
     Anchor3,
     Design,
@@ -65,15 +66,12 @@ MODEL_CONFIG = "G1"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def _on_g1(design: type[Design]) -> type[Design]:
-    return type(f"Model{design.__name__}", (design,), {"config": MODEL_CONFIG})
-
-
 def designs(device: torch.device) -> tuple[list[type[Design]], list[str]]:
-    """The stage designs of the model bench on `device` (on G1 tables), and a line for each one left out."""
-    out, skipped = [_on_g1(Ours), _on_g1(GraphMode), _on_g1(VllmThreeCalls)], []
+    """The stage designs of the model bench on `device` (built on G1 tables), and a line for each one left out."""
+    out: list[type[Design]] = [Ours, GraphMode, VllmThreeCalls]
+    skipped: list[str] = []
     if device.type == "cuda":
-        out += [_on_g1(Vllm033), _on_g1(Anchor3)]  # (vllm-0.33 is skipped, with its reason, where vLLM is absent)
+        out += [Vllm033, Anchor3]  # (vllm-0.33 is skipped, with its reason, where vLLM is absent)
     else:
         skipped.append(
             "anchor-3 and vllm-0.33 not run: their kernels are Triton kernels, which off a GPU would time the "
@@ -118,7 +116,7 @@ class ModelResult:
 
     def failures(self) -> list[str]:
         """One line per design or model step whose check failed."""
-        out = [f"model stage {r['variant']} C={r['C']}: {r['mismatch']}" for r in self.rows if r["mismatch"]]
+        out = [f"model stage {r['label']} C={r['C']}: {r['mismatch']}" for r in self.rows if r["mismatch"]]
         return out + [f"model step C={s['C']}: {s['mismatch']}" for s in self.steps if s["mismatch"]]
 
 
@@ -259,7 +257,7 @@ def measure_model(
     bs, kbs = CONFIGS[MODEL_CONFIG]
     for c in concurrency:
         schedule = list(replay_schedule(trace, bs, c, steps))
-        runners = build_designs(kinds, device, backend, c, result.skipped)
+        runners = build_designs(kinds, device, backend, c, result.skipped, MODEL_CONFIG)
         model = _Model(shape, runners[0], c, num_pages(trace, c, steps), device, impl)
         ref = ReferenceBlockTables(bs, c, max_blocks_per_group(bs), kbs)
         x = StepBuffers(device, c, TOKEN_BUDGET)
@@ -273,11 +271,8 @@ def measure_model(
         mismatch = {r.name: "" for r in runners}
         t = {k: [] for k in ("eager_wall_us", "eager_host_us", "graph_device_us", "replay_host_us", "batch", "ctx")}
         model_mismatch = ""
-        orders = [runners[k:] + runners[:k] for k in range(len(runners))]
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        orders = rotations(runners)
+        with gc_paused():
             for i, step in enumerate(schedule):
                 x.load(step)
                 synchronize(device)
@@ -291,14 +286,9 @@ def measure_model(
                         for k, value in a.items():
                             overlap[r.name][k].append(value)
                         continue
-                    t0 = clock()
-                    r.stage(calls)
-                    r.run(x)
-                    t1 = clock()
-                    r.after(x)
-                    synchronize(device)
+                    took = time_stage(r, calls, x, device)
                     if i in measured:
-                        stage_us[r.name].append((t1 - t0) / 1e3)
+                        stage_us[r.name].append(took)
                 for req, ids, overwrite in step.calls:
                     ref.append_block_ids(req, ids, overwrite)
                 ref.apply_staged_writes()
@@ -334,9 +324,6 @@ def measure_model(
                         t["replay_host_us"].append(host)
                         t["graph_device_us"].append(dev)
                 tick(1)
-        finally:
-            if was_enabled:
-                gc.enable()
         tick(steps - len(schedule))
         med = {k: float(np.median(v)) if v else math.nan for k, v in t.items()}
         pages = model.batch.num_pages
@@ -344,13 +331,15 @@ def measure_model(
         for r in runners:
             s, a = stage_us[r.name], overlap[r.name]
             result.rows.append({
-                "C": c, "variant": r.name, "launches": r.launches, "mismatch": mismatch[r.name],
+                "C": c, "variant": r.name, "label": r.label, "path": r.path, "launches": r.launches,
+                "mismatch": mismatch[r.name],
                 "stage_us": float(np.median(s)) if s else math.nan,
                 "stage_p99_us": float(np.percentile(s, 99)) if s else math.nan, "n": len(s),
                 "behind_n": len(a["hidden"]), "hidden_frac": float(np.mean(a["hidden"])) if a["hidden"] else math.nan,
                 "exposed_us": float(np.median(a["exposed_us"])) if a["exposed_us"] else math.nan,
                 "busy_host_us": float(np.median(a["busy_host_us"])) if a["busy_host_us"] else math.nan,
             })  # fmt: skip
+            note_path(r, result.skipped)
         del model, runners
         gc.collect()
         if device.type == "cuda":

@@ -184,11 +184,14 @@ class PagedAttention:
 
 def sdpa_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
     """The fallback: pages gathered through `batch.gathered` into `[B, kv_heads, width * block_size, head_dim]`, then
-    SDPA keeping the keys at positions `<=` each query's."""
+    SDPA keeping the keys at positions `<=` each query's. Off a GPU (where no graph captures the step, so the host
+    may read the device) `width` is cut to the columns some entry reads, the others being masked for every query."""
     B, W = batch.gathered.shape
+    if not q.is_cuda:
+        W = max(1, min(W, int(batch.num_blocks().max())))
     bs = batch.block_size
     offsets = torch.arange(bs, device=q.device)
-    slots = (batch.gathered.long()[:, :, None] * bs + offsets).reshape(B, W * bs)
+    slots = (batch.gathered[:, :W].long()[:, :, None] * bs + offsets).reshape(B, W * bs)
     k = k_cache[:, slots].transpose(0, 1)  # [B, kv_heads, width * block_size, head_dim]
     v = v_cache[:, slots].transpose(0, 1)
     positions = torch.arange(W * bs, device=q.device)

@@ -12,24 +12,26 @@ so that recording events never adds to the host times of the first pass.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from multiwrite.bench.variants import VARIANTS, Mismatch, Snapshot, compare, floors
+from multiwrite.bench.variants import VARIANTS, Mismatch, Snapshot, TablesSpec, compare, floors
 from multiwrite.environment import synchronize
 from multiwrite.reference import ReferenceBlockTables
 from multiwrite.tables.block_tables import BlockTables
 from multiwrite.workload import CONFIGS, StagedCall, Trace, max_blocks_per_group, replay_steps
 
 Tick = Callable[[int], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,23 @@ def launch_paths(backend: object) -> str:
     return str(paths()) if callable(paths) else ""
 
 
-def _rotations(runners: list) -> list[list]:
+def rotations(runners: list[T]) -> list[list[T]]:
+    """Every rotation of `runners`: step i runs them in the order `rotations(runners)[i % len(runners)]`."""
     return [runners[k:] + runners[:k] for k in range(len(runners))]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The garbage collector off for the duration (after a collection), as it was afterwards: no design's garbage
+    is collected on another's clock."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def time_host(
@@ -142,12 +159,9 @@ def time_host(
     """Replay `schedule` through every runner; per runner, host times of measured steps in microseconds:
     (staging plus apply, apply alone)."""
     samples: dict[str, tuple[list[float], list[float]]] = {r.name: ([], []) for r in runners}
-    orders = _rotations(runners)
+    orders = rotations(runners)
     clock = time.perf_counter_ns
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         for i, calls in enumerate(schedule):
             measured = i >= warmup and bool(calls)
             for r in orders[i % len(orders)]:
@@ -162,9 +176,6 @@ def time_host(
                     step_us.append((t2 - t0) / 1e3)
                     apply_us.append((t2 - t1) / 1e3)
             tick(1)
-    finally:
-        if was_enabled:
-            gc.enable()
     return samples
 
 
@@ -175,7 +186,7 @@ def time_device(
     between CUDA events recorded just before and after it."""
     events = {r.name: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for r in runners}
     samples: dict[str, list[float]] = {r.name: [] for r in runners}
-    orders = _rotations(runners)
+    orders = rotations(runners)
     for i, calls in enumerate(schedule):
         measured = i >= warmup and bool(calls)
         for r in orders[i % len(orders)]:
@@ -214,7 +225,8 @@ def measure_config(
     passes = 2 if gpu else 1
 
     def make_variants() -> list:
-        return [cls(block_sizes, kernel_block_sizes, concurrency, widths, device, backend) for cls in VARIANTS]
+        spec = TablesSpec(block_sizes, kernel_block_sizes, concurrency, widths, device, backend)
+        return [cls(spec) for cls in VARIANTS]
 
     variants = make_variants()
     floor_runners = floors(device, variants[0].tables.backend)

@@ -1,6 +1,7 @@
 """`multiwrite bench --stage`: the whole block-table stage of a decode step, next to one empty launch.
 
-Per step of the trace-replay workload (G3, each concurrency), each design stages the step's `append_block_ids`
+Per step of the trace-replay workload (G3, or with `--groups` each configuration of the sweep: `bench.groups`; each
+concurrency), each design stages the step's `append_block_ids`
 calls and runs the step's whole block-table stage (apply the writes, gather the scheduled rows, compute the
 slot mappings), timed on the host up to its return; the device is then synchronized, and one empty launch
 (`floor`: an empty Triton kernel on a GPU, one empty backend call on a CPU) is timed in the same loop after the
@@ -37,7 +38,9 @@ Designs (`STAGE_VARIANTS`):
   then `apply_staged_writes`, `gather_block_tables`, `compute_slot_mappings`: three launches), with vLLM's block
   sizes as kernel block sizes (kernel block = block, G3's widths);
 - `vllm-0.33`: the same calls on vLLM 0.33's own `BlockTables` (`multiwrite.vllm.upstream`: an installed vLLM, or
-  its two files from `MULTIWRITE_VLLM_SRC` / `MULTIWRITE_VLLM_WHEEL` with its buffers' non-UVA fallback); GPU only.
+  its two files from `MULTIWRITE_VLLM_SRC` / `MULTIWRITE_VLLM_WHEEL`); GPU only. Its buffers take vLLM's CUDA path
+  (UVA: pinned host memory its kernels read in place) where it works, else vLLM's fallback (explicit copies), and
+  the report names it by its path: `vllm-0.33-uva` or `vllm-0.33-fallback` (with the reason).
 
 Every design's gathered rows (the cells each step defines) and slot mappings are checked against
 `multiwrite.reference` on a few steps, and its final tables at the end.
@@ -45,7 +48,6 @@ Every design's gathered rows (the cells each step defines) and slot mappings are
 
 from __future__ import annotations
 
-import gc
 import math
 import textwrap
 import time
@@ -55,6 +57,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from multiwrite.bench.groups import STAGE_CONFIGS, describe, sweep_rows
+from multiwrite.bench.runner import gc_paused, rotations
 from multiwrite.bench.stage_designs import (
     STAGE_CONFIG,
     STAGE_VARIANTS,
@@ -72,7 +76,7 @@ from multiwrite.bench.variants import compare
 from multiwrite.environment import synchronize
 from multiwrite.errors import BackendUnavailableError
 from multiwrite.reference import ReferenceBlockTables, compute_slot_mappings_reference, gather_block_tables_reference
-from multiwrite.workload import CONFIGS, TOKEN_BUDGET, Trace, max_blocks_per_group, replay_schedule
+from multiwrite.workload import TOKEN_BUDGET, Trace, max_blocks_per_group, replay_schedule
 
 #: Why the anchor kernels are not timed off a GPU.
 ANCHORS_OFF_GPU = (
@@ -103,7 +107,7 @@ class StageResult:
 
     def failures(self) -> list[str]:
         """One line per design whose outputs or tables differed from the reference."""
-        return [f"stage {r['variant']} {r['config']} C={r['C']}: {r['mismatch']}" for r in self.rows if r["mismatch"]]
+        return [f"stage {r['label']} {r['config']} C={r['C']}: {r['mismatch']}" for r in self.rows if r["mismatch"]]
 
 
 def _check(runner: Design, x: StepBuffers, ref: ReferenceBlockTables) -> str:
@@ -130,14 +134,19 @@ def _check(runner: Design, x: StepBuffers, ref: ReferenceBlockTables) -> str:
 
 
 def build_designs(
-    variants: Sequence[type[Design]], device: torch.device, backend: str | None, concurrency: int, skipped: list[str]
+    variants: Sequence[type[Design]],
+    device: torch.device,
+    backend: str | None,
+    concurrency: int,
+    skipped: list[str],
+    config: str = STAGE_CONFIG,
 ) -> list[Design]:
-    """The designs of `variants` that can run at C = `concurrency`; for each one that cannot (e.g. graph mode on a
-    backend without one) a line saying why is appended to `skipped` (once)."""
+    """The designs of `variants` that can run on configuration `config` at C = `concurrency`; for each one that
+    cannot (e.g. graph mode on a backend without one) a line saying why is appended to `skipped` (once)."""
     runners: list[Design] = []
     for v in variants:
         try:
-            runners.append(v(device, backend, concurrency, TOKEN_BUDGET))
+            runners.append(v(device, backend, concurrency, TOKEN_BUDGET, config))
         except BackendUnavailableError as exc:
             reason = f"{v.name} not run: {exc}"
             if issubclass(v, GraphMode) and device.type != "cuda":
@@ -145,6 +154,19 @@ def build_designs(
             if reason not in skipped:
                 skipped.append(reason)
     return runners
+
+
+def time_stage(r: Design, calls: object, x: StepBuffers, device: torch.device) -> float:
+    """Host time, us, of design `r`'s stage of one step: staging `calls` (from `r.prepare`) and `r.run(x)`, timed;
+    then its untimed device work (`r.after(x)`) and a synchronize."""
+    clock = time.perf_counter_ns
+    t0 = clock()
+    r.stage(calls)
+    r.run(x)
+    t1 = clock()
+    r.after(x)
+    synchronize(device)
+    return (t1 - t0) / 1e3
 
 
 def measure_stage(
@@ -158,87 +180,101 @@ def measure_stage(
     floor: str,
     tick: Callable[[int], None],
     checks: int = 4,
+    configs: Sequence[str] = (STAGE_CONFIG,),
 ) -> StageResult:
-    """The measurement of the module docstring at each concurrency; `empty` is the floor's one call."""
+    """The measurement of the module docstring at each configuration of `configs` (names of
+    `bench.groups.STAGE_CONFIGS`) and concurrency; `empty` is the floor's one call."""
     result = StageResult(floor=floor)
     variants: list[type[Design]] = list(STAGE_VARIANTS)
     if device.type != "cuda":
         variants = [v for v in variants if not issubclass(v, (AnchorDesign, Vllm033))]
         result.skipped.append(ANCHORS_OFF_GPU)
         result.skipped.append(VLLM_OFF_GPU)
-    clock = time.perf_counter_ns
-    bs, kbs = CONFIGS[STAGE_CONFIG]
-    for c in concurrency:
-        schedule = list(replay_schedule(trace, bs, c, steps))
-        runners = build_designs(variants, device, backend, c, result.skipped)
-        refs = {tuple(k): ReferenceBlockTables(bs, c, max_blocks_per_group(bs), k)
-                for k in {tuple(r.kernel_block_sizes) for r in runners} | {tuple(kbs)}}  # fmt: skip
-        x = StepBuffers(device, c, TOKEN_BUDGET)
-        measured = [i for i, s in enumerate(schedule) if i >= warmup and s.is_decode]
-        stride = max(1, len(measured) // max(checks, 1))
-        check_at = set(measured[::stride][:checks]) | set(measured[-1:])
-        samples = {r.name: ([], []) for r in runners}
-        mismatch = {r.name: "" for r in runners}
-        orders = [runners[k:] + runners[:k] for k in range(len(runners))]
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            for i, step in enumerate(schedule):
-                x.load(step)
-                synchronize(device)
-                timed = i in measured
-                for r in orders[i % len(orders)]:
-                    calls = r.prepare(step.calls)
-                    t0 = clock()
-                    r.stage(calls)
-                    r.run(x)
-                    t1 = clock()
-                    r.after(x)
-                    synchronize(device)
-                    t2 = clock()
-                    empty()
-                    t3 = clock()
-                    synchronize(device)
-                    if timed:
-                        samples[r.name][0].append((t1 - t0) / 1e3)
-                        samples[r.name][1].append((t3 - t2) / 1e3)
-                for ref in refs.values():
-                    for req, ids, overwrite in step.calls:
-                        ref.append_block_ids(req, ids, overwrite)
-                    ref.apply_staged_writes()
-                if i in check_at:
-                    for r in runners:
-                        mismatch[r.name] = mismatch[r.name] or _check(r, x, refs[tuple(r.kernel_block_sizes)])
-                tick(1)
-        finally:
-            if was_enabled:
-                gc.enable()
-        tick(steps - len(schedule))
-        for r in runners:
-            final = compare(r.snapshot(), refs[tuple(r.kernel_block_sizes)])
-            if final is not None and not mismatch[r.name]:
-                mismatch[r.name] = f"final tables: {final.cells} cells differ; first: {final.first}"
-            step_us, empty_us = samples[r.name]
-            writes = float(np.median([len(schedule[i].calls) for i in measured])) if measured else math.nan
-            s = float(np.median(step_us)) if step_us else math.nan
-            e = float(np.median(empty_us)) if empty_us else math.nan
-            result.rows.append({
-                "config": STAGE_CONFIG, "C": c, "variant": r.name, "launches": r.launches, "steps": len(step_us),
-                "writes_per_step": writes,
-                "step_us": s, "step_p99_us": float(np.percentile(step_us, 99)) if step_us else math.nan,
-                "empty_us": e, "step_x_empty": s / e if e > 0 else math.nan, "mismatch": mismatch[r.name],
-                "launch_path": r.launch_path(),
-            })  # fmt: skip
+    for config in configs:
+        for c in concurrency:
+            _measure_one(result, trace, device, backend, steps, warmup, config, c, variants, empty, tick, checks)
     return result
 
 
+def _measure_one(result, trace, device, backend, steps, warmup, config, c, variants, empty, tick, checks) -> None:
+    """`measure_stage` at one configuration and concurrency: its rows appended to `result`."""
+    clock = time.perf_counter_ns
+    bs, kbs = STAGE_CONFIGS[config]
+    schedule = list(replay_schedule(trace, bs, c, steps))
+    runners = build_designs(variants, device, backend, c, result.skipped, config)
+    refs = {tuple(k): ReferenceBlockTables(bs, c, max_blocks_per_group(bs), k)
+            for k in {tuple(r.kernel_block_sizes) for r in runners} | {tuple(kbs)}}  # fmt: skip
+    x = StepBuffers(device, c, TOKEN_BUDGET)
+    measured = [i for i, s in enumerate(schedule) if i >= warmup and s.is_decode]
+    stride = max(1, len(measured) // max(checks, 1))
+    check_at = set(measured[::stride][:checks]) | set(measured[-1:])
+    samples = {r.name: ([], []) for r in runners}
+    mismatch = {r.name: "" for r in runners}
+    orders = rotations(runners)
+    with gc_paused():
+        for i, step in enumerate(schedule):
+            x.load(step)
+            synchronize(device)
+            timed = i in measured
+            for r in orders[i % len(orders)]:
+                stage_us = time_stage(r, r.prepare(step.calls), x, device)
+                t2 = clock()
+                empty()
+                t3 = clock()
+                synchronize(device)
+                if timed:
+                    samples[r.name][0].append(stage_us)
+                    samples[r.name][1].append((t3 - t2) / 1e3)
+            for ref in refs.values():
+                for req, ids, overwrite in step.calls:
+                    ref.append_block_ids(req, ids, overwrite)
+                ref.apply_staged_writes()
+            if i in check_at:
+                for r in runners:
+                    mismatch[r.name] = mismatch[r.name] or _check(r, x, refs[tuple(r.kernel_block_sizes)])
+            tick(1)
+    tick(steps - len(schedule))
+    for r in runners:
+        final = compare(r.snapshot(), refs[tuple(r.kernel_block_sizes)])
+        if final is not None and not mismatch[r.name]:
+            mismatch[r.name] = f"final tables: {final.cells} cells differ; first: {final.first}"
+        step_us, empty_us = samples[r.name]
+        writes = float(np.median([len(schedule[i].calls) for i in measured])) if measured else math.nan
+        s = float(np.median(step_us)) if step_us else math.nan
+        e = float(np.median(empty_us)) if empty_us else math.nan
+        result.rows.append({
+            "config": config, "C": c, "variant": r.name, "label": r.label, "path": r.path, "launches": r.launches,
+            "steps": len(step_us), "writes_per_step": writes,
+            "step_us": s, "step_p99_us": float(np.percentile(step_us, 99)) if step_us else math.nan,
+            "empty_us": e, "step_x_empty": s / e if e > 0 else math.nan, "mismatch": mismatch[r.name],
+            "launch_path": r.launch_path(),
+        })  # fmt: skip
+        note_path(r, result.skipped)
+
+
+def note_path(r: Design, notes: list[str]) -> None:
+    """Where design `r` ran vLLM's fallback buffers instead of its UVA path, a line saying why appended to `notes`
+    (once)."""
+    if r.path == "fallback" and (note := f"{r.label}: vLLM's buffers without UVA, because {r.why}") not in notes:
+        notes.append(note)
+
+
+#: What the two paths of vLLM's own class are, for the report.
+PATHS = (
+    "vllm-0.33-uva: vLLM's CUDA path (pinned host buffers its kernels read in place through a CUDA view; "
+    "multiwrite.vllm.upstream.cuda_view_of_pinned stands in for vLLM's compiled get_cuda_view_from_cpu_tensor); "
+    "vllm-0.33-fallback: its path without UVA (explicit host-to-device copies)"
+)
+
+
 def stage_lines(r: StageResult, gpu: bool, format_table: Callable) -> list[str]:
-    """The `--stage` section of the terminal report (`format_table`: `bench.report`'s)."""
+    """The `--stage` section of the terminal report (`format_table`: `bench.report`'s): a table per configuration,
+    and with several configurations the sweep (`bench.groups.sweep_rows`)."""
     what = "one empty Triton launch" if gpu else "one empty backend call"
+    configs = list(dict.fromkeys(x["config"] for x in r.rows)) or [STAGE_CONFIG]
     head = (
-        f"stage (--stage): host time per decode step, staging + apply + gather + slot mappings, {STAGE_CONFIG}, next "
-        f"to {what} ({r.floor}) timed in the same loop after the same synchronize; median (p99) us, lower is "
+        f"stage (--stage): host time per decode step, staging + apply + gather + slot mappings, {', '.join(configs)}, "
+        f"next to {what} ({r.floor}) timed in the same loop after the same synchronize; median (p99) us, lower is "
         "better; x: ratio of medians"
     )
     legend = (
@@ -251,12 +287,20 @@ def stage_lines(r: StageResult, gpu: bool, format_table: Callable) -> list[str]:
         "BlockTables"
     )
     out = ["", textwrap.fill(head, 110), textwrap.fill(legend, 110, initial_indent="  ", subsequent_indent="  ")]
-    out += format_table(
-        ["C", "design", "launches", "decode steps", "writes/step", "step", "empty", "step x empty", "verified"],
-        [[str(x["C"]), x["variant"], x["launches"], str(x["steps"]), f"{x['writes_per_step']:g}",
-          f"{x['step_us']:.1f} ({x['step_p99_us']:.1f})", f"{x['empty_us']:.1f}", f"{x['step_x_empty']:.2f}",
-          "no" if x["mismatch"] else "yes"] for x in r.rows],
-    )  # fmt: skip
+    if any(x["path"] for x in r.rows):
+        out.append(textwrap.fill(PATHS, 110, initial_indent="  ", subsequent_indent="  "))
+    for config in configs:
+        out.append(textwrap.fill(describe(config), 110, initial_indent="  ", subsequent_indent="    "))
+        out += format_table(
+            ["C", "design", "launches", "decode steps", "writes/step", "step", "empty", "step x empty", "verified"],
+            [[str(x["C"]), x["label"], x["launches"], str(x["steps"]), f"{x['writes_per_step']:g}",
+              f"{x['step_us']:.1f} ({x['step_p99_us']:.1f})", f"{x['empty_us']:.1f}", f"{x['step_x_empty']:.2f}",
+              "no" if x["mismatch"] else "yes"] for x in r.rows if x["config"] == config],
+        )  # fmt: skip
+    if len(configs) > 1:
+        heads, rows = sweep_rows(r.rows)
+        out += ["", f"  the group sweep: step x empty per number of KV-cache groups, and its change ({heads[-1]})"]
+        out += format_table(heads, rows)
     out += [f"  {s}" for s in r.skipped]
     return out
 
@@ -278,7 +322,8 @@ def stage_goal_lines(r: StageResult, gpu: bool, interpreted: bool) -> list[str]:
     ]
     for design, goal, what in checks:
         for c in (40, 256):
-            row = next((x for x in r.rows if x["variant"] == design.name and x["C"] == c), None)
+            row = next((x for x in r.rows if x["variant"] == design.name and x["C"] == c
+                        and x["config"] == STAGE_CONFIG), None)  # fmt: skip
             if row is None:
                 lines.append(f"GPU {design.name} at C={c} G3 <= {goal} empty launches: not in this run")
                 continue
@@ -289,13 +334,14 @@ def stage_goal_lines(r: StageResult, gpu: bool, interpreted: bool) -> list[str]:
 
 
 def stage_csv_rows(r: StageResult, base: dict[str, str]) -> list[dict[str, str]]:
-    """`--csv` rows of the stage part: per (C, design) `stage_step_us` and `stage_empty_us`."""
+    """`--csv` rows of the stage part: per (configuration, C, design) `stage_step_us` and `stage_empty_us`; the
+    variant is `stage-<label>` (vLLM's own class with its path: `stage-vllm-0.33-uva`)."""
     rows = []
     for x in r.rows:
         for metric, median, p99 in (("stage_step_us", x["step_us"], x["step_p99_us"]),
                                     ("stage_empty_us", x["empty_us"], math.nan)):  # fmt: skip
             rows.append({
-                **base, "variant": f"stage-{x['variant']}", "config": x["config"], "concurrency": str(x["C"]),
+                **base, "variant": f"stage-{x['label']}", "config": x["config"], "concurrency": str(x["C"]),
                 "metric": metric, "median_us": f"{median:.3f}", "p99_us": f"{p99:.3f}", "n": str(x["steps"]),
                 "verified": "false" if x["mismatch"] else "true", "bytes": "",
             })  # fmt: skip

@@ -10,13 +10,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from multiwrite.bench.groups import STAGE_CONFIGS
 from multiwrite.bench.runner import launch_paths
 from multiwrite.bench.variants import Snapshot
 from multiwrite.capture import simulated_capture
 from multiwrite.environment import synchronize
 from multiwrite.errors import BackendUnavailableError
 from multiwrite.tables.block_tables import BlockTables
-from multiwrite.workload import CONFIGS, ScheduledStep, max_blocks_per_group
+from multiwrite.workload import ScheduledStep, max_blocks_per_group
 
 #: The configuration the stage goals are set on (BENCHMARKS.md).
 STAGE_CONFIG = "G3"
@@ -44,26 +45,41 @@ class StepBuffers:
 
 
 class Design:
-    """One design of the stage bench on `BlockTables` of the stage configuration with `concurrency` rows and
-    `max_tokens` slots: `prepare(calls)` builds a step's `append_block_ids` arguments (untimed), `stage` stages them
-    and `run(x)` runs the step's stage on `StepBuffers` `x` (both timed), `after(x)` its untimed device work;
-    `outputs`, `snapshot` and `kernel_block_sizes` are what it is checked by.
+    """One design of the stage bench on `BlockTables` of configuration `config` (a name of
+    `bench.groups.STAGE_CONFIGS`) with `concurrency` rows and `max_tokens` slots: `prepare(calls)` builds a step's
+    `append_block_ids` arguments (untimed), `stage` stages them and `run(x)` runs the step's stage on `StepBuffers`
+    `x` (both timed), `after(x)` its untimed device work; `outputs`, `snapshot` and `kernel_block_sizes` are what it
+    is checked by.
 
     Attributes:
         name, launches: how the report names it and counts its launches per step.
-        config: the tables' configuration (G3; `bench.model_step` runs the designs on G1).
+        path, why: how its buffers reach the device where a design has a choice (vLLM's own class: "uva" or
+            "fallback"), else ""; why the fallback.
+        config: the tables' configuration (G3 by default; `bench.model_step` runs the designs on G1).
         bt: its multiwrite `BlockTables` (None for vLLM's own class).
     """
 
     name = ""
     launches = ""
-    config = STAGE_CONFIG  # the tables' configuration (`bench.model_step` runs the designs on G1)
+    path = ""
+    why = ""
 
-    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        bs, kbs = CONFIGS[self.config]
-        self.bt = BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
-                              max_num_batched_tokens=max_tokens)  # fmt: skip
+    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int,
+                 config: str = STAGE_CONFIG):  # fmt: skip
+        self.config = config
+        bs, kbs = STAGE_CONFIGS[config]
+        self.bt = self.build(bs, kbs, concurrency, max_tokens, device, backend)
         self._append = self.bt.append_block_ids
+
+    def build(self, bs, kbs, concurrency, max_tokens, device, backend) -> BlockTables:
+        """The design's tables (graph mode's: with `cuda_graphs=True`)."""
+        return BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
+                           max_num_batched_tokens=max_tokens)  # fmt: skip
+
+    @property
+    def label(self) -> str:
+        """The design's name in the report and the CSV: its name, and its path where it has one (`vllm-0.33-uva`)."""
+        return f"{self.name}-{self.path}" if self.path else self.name
 
     def prepare(self, calls):
         """Untimed, right before the step's staging: the step's calls as an engine's model runner receives them,
@@ -106,8 +122,10 @@ class VllmDesign(Design):
 
     launches = "3"
 
-    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        bs, _ = CONFIGS[self.config]
+    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int,
+                 config: str = STAGE_CONFIG):  # fmt: skip
+        self.config = config
+        bs, _ = STAGE_CONFIGS[config]
         self.vbt = self.make(bs, concurrency, max_tokens, max_blocks_per_group(bs), device, backend)
         self._append = self.vbt.append_block_ids
 
@@ -126,7 +144,7 @@ class VllmDesign(Design):
 
     @property
     def kernel_block_sizes(self) -> list[int]:
-        return list(CONFIGS[self.config][0])
+        return list(STAGE_CONFIGS[self.config][0])
 
 
 class VllmThreeCalls(VllmDesign):
@@ -136,19 +154,22 @@ class VllmThreeCalls(VllmDesign):
 
 
 class Vllm033(VllmDesign):
-    """vLLM's three calls on vLLM 0.33's own `BlockTables` (`multiwrite.vllm.upstream`)."""
+    """vLLM's three calls on vLLM 0.33's own `BlockTables` (`multiwrite.vllm.upstream.load_vllm_anchor`): on vLLM's
+    UVA path where it runs (a CUDA device with pinned memory: `path` "uva"), else its fallback ("fallback"; `why`
+    says why)."""
 
     name, launches = "vllm-0.33", "3"
 
     def make(self, bs, concurrency, max_tokens, widths, device, backend):
-        from multiwrite.vllm.upstream import VllmSourceError, load_vllm_block_tables
+        from multiwrite.vllm.upstream import VllmSourceError, load_vllm_anchor
 
         try:
-            cls = load_vllm_block_tables(device.type)
+            anchor = load_vllm_anchor(device.type)
         except VllmSourceError as exc:
             raise BackendUnavailableError(str(exc)) from None
         self.bt = None
-        return cls(list(bs), concurrency, max_tokens, widths, device)
+        self.path, self.why = anchor.path, anchor.why
+        return anchor.cls(list(bs), concurrency, max_tokens, widths, device)
 
     def outputs(self, x: StepBuffers) -> tuple[list[torch.Tensor], torch.Tensor]:
         return [t[: x.n] for t in self.vbt.input_block_tables], self.vbt.slot_mappings[:, : x.T]
@@ -159,7 +180,7 @@ class Vllm033(VllmDesign):
                         v.num_blocks.gpu.cpu().numpy())  # fmt: skip
 
     def launch_path(self) -> str:
-        return "vLLM 0.33's kernels through Triton's JIT"
+        return f"vLLM 0.33's kernels through Triton's JIT, its buffers on its {self.path} path"
 
 
 class Ours(Design):
@@ -208,8 +229,9 @@ class AnchorDesign(Design):
 
     fused = False
 
-    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        super().__init__(device, backend, concurrency, max_tokens)
+    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int,
+                 config: str = STAGE_CONFIG):  # fmt: skip
+        super().__init__(device, backend, concurrency, max_tokens, config)
         from multiwrite.bench.anchor_kernels import AnchorStage
 
         self.anchor = AnchorStage(self.bt, max_tokens, fused=self.fused)
@@ -260,11 +282,9 @@ class GraphMode(Design):
 
     name, launches = "graph-mode", "0 (replay)"
 
-    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int):
-        bs, kbs = CONFIGS[self.config]
-        self.bt = BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
-                              max_num_batched_tokens=max_tokens, cuda_graphs=True)  # fmt: skip
-        self._append = self.bt.append_block_ids
+    def __init__(self, device: torch.device, backend: str | None, concurrency: int, max_tokens: int,
+                 config: str = STAGE_CONFIG):  # fmt: skip
+        super().__init__(device, backend, concurrency, max_tokens, config)
         self._commit = self.bt.commit_staged_writes
         # Persistent inputs padded to the bucket: `concurrency` entries (unused ones: row 0, no tokens) and
         # `max_tokens` tokens (the unscheduled ones marked as padding).
@@ -291,6 +311,10 @@ class GraphMode(Design):
         self.pos[:T].copy_(x.pos)
         torch.ge(self._tokens, T, out=self.pad)
         self.graph.replay()
+
+    def build(self, bs, kbs, concurrency, max_tokens, device, backend) -> BlockTables:
+        return BlockTables(bs, concurrency, max_blocks_per_group(bs), device, kbs, backend=backend,
+                           max_num_batched_tokens=max_tokens, cuda_graphs=True)  # fmt: skip
 
 
 class GraphModeBatched(BatchedStaging, GraphMode):

@@ -86,20 +86,13 @@ class TablesSpec(NamedTuple):
 
 
 class _Variant:
-    """A staging design under test: `stage(calls)` (host only), `apply()`, `snapshot()`."""
+    """A staging design under test on the tables `spec` describes: `stage(calls)` (host only), `apply()`,
+    `snapshot()`."""
 
     name = ""
 
-    def __init__(
-        self,
-        block_sizes: Sequence[int],
-        kernel_block_sizes: Sequence[int],
-        max_num_reqs: int,
-        max_blocks: Sequence[int],
-        device: torch.device | str,
-        backend: str | None = None,
-    ) -> None:
-        self.tables = self.build(TablesSpec(block_sizes, kernel_block_sizes, max_num_reqs, max_blocks, device, backend))
+    def __init__(self, spec: TablesSpec) -> None:
+        self.tables = self.build(spec)
 
     def build(self, spec: TablesSpec) -> Any:
         """The variant's tables."""

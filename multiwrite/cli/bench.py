@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -71,6 +72,16 @@ def config_list(text: str) -> list[str]:
     return names
 
 
+def groups_list(text: str) -> list[int]:
+    """`"3,11,20"` -> `[3, 11, 20]` (argparse type of `--groups`; `bench.groups.group_counts`)."""
+    from multiwrite.bench.groups import group_counts
+
+    try:
+        return group_counts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Register the `bench` subcommand on the `multiwrite` command's subparsers."""
     from multiwrite.bench.glossary import help_text  # (numpy only: the terms and configurations for the help)
@@ -95,8 +106,8 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small run for a smoke test: G1,G3, 120 steps, small burst; with --model, 60 model steps and on a CPU the "
-        "tiny preset (about a minute on 2 cores; it says what it chose); its goal verdicts are indicative only",
+        help="small run for a smoke test: G1,G3, 120 steps, small burst; with --model, 40 model steps at C=40 and on a "
+        "CPU the tiny preset (about a minute on 2 cores; it says what it chose); its goal verdicts are indicative only",
     )
     add_trace_option(p, MAX_PROMPT_TOKENS)
     p.add_argument("--configs", type=config_list, help=f"configurations among {','.join(CONFIGS)} (all)")
@@ -119,7 +130,15 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         "--stage",
         action="store_true",
         help="also time the whole block-table stage per decode step (G3: staging, apply, gather, slot mappings): "
-        "prepare_inputs, our three calls and the anchor designs (GPU) next to an empty launch in the same loop",
+        "prepare_inputs, our three calls, vLLM's call pattern and the anchor designs (GPU: also vLLM 0.33's own class, "
+        "on vLLM's UVA path) next to an empty launch in the same loop",
+    )
+    p.add_argument(
+        "--groups",
+        type=groups_list,
+        help="with --stage: the numbers of KV-cache groups to sweep, e.g. 3,11,20 (the configurations of that many "
+        "groups: G1-G4, G11, G20; G11 and G20 mix full-attention, sliding-window and mamba-like groups of "
+        "illustrative shapes); reports each design per group count and the change from the fewest to the most (3)",
     )
     add_device_options(p)
     p.add_argument(
@@ -156,8 +175,10 @@ def run_bench(
     launch: bool = False,
     stage: bool = False,
     model: ModelOptions | None = None,
+    stage_configs: Sequence[str] = ("G3",),
 ) -> BenchResult:
-    """Measure every configuration and concurrency of `opts`, then the burst, on `device`.
+    """Measure every configuration and concurrency of `opts`, then the burst, on `device`; with `stage` the stage
+    designs on each configuration of `stage_configs`.
 
     Raises:
         TraceError: the trace cannot be read. BackendUnavailableError: the backend cannot run on `device`.
@@ -176,8 +197,8 @@ def run_bench(
     passes = 2 if device.type == "cuda" else 1
     total = len(opts.configs) * len(opts.concurrency) * opts.steps * passes + opts.burst_reps
     total += 2 * len(opts.concurrency) * opts.steps if launch else 0
-    total += len(opts.concurrency) * opts.steps if stage else 0
-    total += len(opts.concurrency) * model.steps if model else 0
+    total += len(stage_configs) * len(opts.concurrency) * opts.steps if stage else 0
+    total += len(model.concurrency) * model.steps if model else 0
     result = BenchResult(
         timestamp, environment(device), backend_name, f"{trace.source} ({len(trace)} requests)", opts.steps, opts.warmup
     )
@@ -204,13 +225,13 @@ def run_bench(
                 empty, floor = empty_launcher(device), "floor-triton"
             else:
                 empty, floor = (lambda: backend_obj.apply([])), "floor"
-            result.stage = measure_stage(
-                trace, device, backend, opts.steps, opts.warmup, opts.concurrency, empty, floor, tick
-            )
+            cs = opts.concurrency
+            result.stage = measure_stage(trace, device, backend, opts.steps, opts.warmup, cs, empty, floor, tick,
+                                         configs=stage_configs)  # fmt: skip
         if model is not None:
             from multiwrite.cli.bench_model import run_model
 
-            result.model = run_model(model, trace, device, backend, opts, tick)
+            result.model = run_model(model, trace, device, backend, tick)
     result.interpreted = ran_interpreted(backend_obj)
     result.quick = opts.steps < FULL.steps or opts.burst_reps < FULL.burst_reps
     return result
@@ -283,6 +304,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     if opts.warmup >= opts.steps:
         raise UsageError(f"argument --warmup: {opts.warmup} warm-up steps leave none of {opts.steps} steps to measure")
+    if args.groups and not args.stage:
+        raise UsageError("argument --groups: only with --stage")
+    from multiwrite.bench.groups import BY_GROUP_COUNT
+
+    stage_configs = [BY_GROUP_COUNT[n] for n in args.groups or [3]]
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -313,9 +339,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     threads = args.threads or (1 if device.type == "cpu" else threads_before)
     torch.set_num_threads(threads)
     try:
-        result = run_bench(
-            opts, device, args.backend, args.trace, show_progress(args.no_progress), args.launch, args.stage, model
-        )
+        result = run_bench(opts, device, args.backend, args.trace, show_progress(args.no_progress), args.launch,
+                           args.stage, model, stage_configs)  # fmt: skip
     finally:
         torch.set_num_threads(threads_before)
     result.env["torch_threads"] = str(threads)

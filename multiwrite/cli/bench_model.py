@@ -14,11 +14,13 @@ from multiwrite.cli.args import RefusedError, UsageError, positive_int
 
 #: The presets of `--model-preset` (`multiwrite.bench.model.PRESETS`), named here so that `--help` stays light.
 PRESET_NAMES = ("llama-8b", "small", "tiny")
-#: What `--quick --model` runs unless `--model-preset` or `--model-steps` say otherwise: on a CPU the tiny preset
-#: with sdpa-gathered attention (FlexAttention unfused reads every page of the cache at each step), everywhere this
-#: many scheduler steps per concurrency.
+#: What `--quick --model` runs unless `--model-preset`, `--model-steps` or `--concurrency` say otherwise: on a CPU
+#: the tiny preset with sdpa-gathered attention (FlexAttention unfused reads every page of the cache at each step),
+#: everywhere this many scheduler steps at one concurrency (about a minute on the 2-core CPU machine, the quick
+#: bench before it included; at C=256 a tiny step takes there about 5x one at C=40).
 QUICK_CPU_PRESET = "tiny"
-QUICK_MODEL_STEPS = 60
+QUICK_MODEL_STEPS = 40
+QUICK_MODEL_CONCURRENCY = [40]
 ATTENTION_NAMES = ("auto", "flex-paged", "sdpa-gathered")
 
 MODEL_HELP = (
@@ -36,13 +38,15 @@ MODEL_HELP = (
 
 @dataclass
 class ModelOptions:
-    """What `--model` runs: the preset's name, the attention implementation, scheduler steps and warm-up steps;
-    `chosen`: the line saying what `--quick` chose in place of the defaults (empty when it chose nothing)."""
+    """What `--model` runs: the preset's name, the attention implementation, scheduler steps, warm-up steps and the
+    concurrencies; `chosen`: the line saying what `--quick` chose in place of the defaults (empty when it chose
+    nothing)."""
 
     preset: str
     attention: str
     steps: int
     warmup: int
+    concurrency: list[int]
     chosen: str = ""
 
 
@@ -67,8 +71,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model-steps",
         type=positive_int,
-        help="scheduler steps of --model per concurrency (default: --steps; 60 with --quick); the model runs on the "
-        "decode steps after --warmup",
+        help="scheduler steps of --model per concurrency (default: --steps; 40 with --quick, at C=40 only unless "
+        "--concurrency is given); the model runs on the decode steps after --warmup",
     )
 
 
@@ -94,19 +98,23 @@ def model_options(args: argparse.Namespace, steps: Any, device: Any) -> ModelOpt
     if args.quick and not args.model_steps:
         model_steps = QUICK_MODEL_STEPS
         chosen.append(f"--model-steps {model_steps}")
+    concurrency = steps.concurrency
+    if args.quick and not args.concurrency:
+        concurrency = QUICK_MODEL_CONCURRENCY
+        chosen.append(f"--concurrency {','.join(map(str, concurrency))} for --model")
     attention = args.attention
     if args.quick and attention == "auto" and device.type != "cuda":  # (unfused flex-paged reads the whole cache)
         attention = "sdpa-gathered"
         chosen.append(f"--attention {attention}")
     note = f"--quick --model: {', '.join(chosen)} (a smoke test; give these options to choose)" if chosen else ""
-    opts = ModelOptions(preset, attention, model_steps, steps.warmup, note)
+    opts = ModelOptions(preset, attention, model_steps, steps.warmup, list(concurrency), note)
     if opts.warmup >= opts.steps:
         raise UsageError(f"argument --model-steps: {opts.warmup} warm-up steps leave none of {opts.steps} to measure")
-    refuse_if_it_cannot_fit(opts, steps.concurrency, args.trace, device)
+    refuse_if_it_cannot_fit(opts, args.trace, device)
     return opts
 
 
-def refuse_if_it_cannot_fit(opts: ModelOptions, concurrency: list[int], trace_path: str | None, device: Any) -> None:
+def refuse_if_it_cannot_fit(opts: ModelOptions, trace_path: str | None, device: Any) -> None:
     """Raise `RefusedError` when the largest concurrency's weights and KV caches exceed the free memory."""
     from multiwrite.bench.model import PRESETS
     from multiwrite.bench.model_step import memory_needed, num_pages
@@ -115,7 +123,7 @@ def refuse_if_it_cannot_fit(opts: ModelOptions, concurrency: list[int], trace_pa
 
     trace = load_trace(trace_path)
     shape = PRESETS[opts.preset]
-    worst = max(concurrency, key=lambda c: num_pages(trace, c, opts.steps))
+    worst = max(opts.concurrency, key=lambda c: num_pages(trace, c, opts.steps))
     need = memory_needed(shape, num_pages(trace, worst, opts.steps), device)
     try:
         refuse_if_too_big(f"--model --model-preset {opts.preset} at --concurrency {worst}", 0, need, device)
@@ -123,13 +131,13 @@ def refuse_if_it_cannot_fit(opts: ModelOptions, concurrency: list[int], trace_pa
         raise RefusedError(f"{exc} (weights and KV caches of every layer; try fewer --model-steps or C)") from None
 
 
-def run_model(opts: ModelOptions, trace, device, backend, bench_opts, tick):
-    """Run `bench.model_step.measure_model` for `opts` at the bench's concurrencies."""
+def run_model(opts: ModelOptions, trace, device, backend, tick):
+    """Run `bench.model_step.measure_model` for `opts`."""
     from multiwrite.bench.model import PRESETS
     from multiwrite.bench.model_step import measure_model
 
-    return measure_model(trace, device, backend, PRESETS[opts.preset], opts.steps, opts.warmup,
-                         bench_opts.concurrency, opts.attention, tick)  # fmt: skip
+    return measure_model(trace, device, backend, PRESETS[opts.preset], opts.steps, opts.warmup, opts.concurrency,
+                         opts.attention, tick)  # fmt: skip
 
 
 def model_plot_path(path: str) -> str:

@@ -7,14 +7,19 @@
   read out of it with `zipfile`,
 
 and loaded under their vLLM module names with stand-ins for the few vLLM modules they import (`stand_in_modules`):
-the real Triton, `PAD_SLOT_ID = -1`, a logger, no UVA (so vLLM's buffers fall back to explicit host-to-device copies:
-its host times here are an upper bound of vLLM's own, whose UVA views need its compiled `_C` op), and
-`current_platform.device_type`.
+the real Triton, `PAD_SLOT_ID = -1`, a logger, `current_platform.device_type`, and vLLM's buffers on one of its two
+paths:
+
+- `uva` (what vLLM runs on CUDA and ROCm): pinned host buffers that its kernels read in place through a device view.
+  vLLM makes the view with a compiled op of its own (`torch.ops._C.get_cuda_view_from_cpu_tensor`), which is not
+  here; `cuda_view_of_pinned` stands in for it. The bench's anchor takes this path where `uva_path` finds it works;
+- `fallback` (vLLM's `NonUvaBuffer`: explicit host-to-device copies): on a CPU, and for the test oracle.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -25,7 +30,7 @@ import types
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -113,25 +118,97 @@ class OnceLogger(logging.LoggerAdapter):
         self._once(logging.INFO, msg, *args)
 
 
-def _to_device(data: Any, device: Any = None, dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
+def _to_device(
+    data: Any,
+    device: Any = None,
+    dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    pin: bool = False,
+):
+    """vLLM's `async_tensor_h2d`: `data` (a list, array or CPU tensor) on `device` or copied into `out`; with `pin`
+    (where vLLM has pinned memory) staged in pinned memory and copied without blocking, as vLLM's does."""
     if dtype is None and out is not None:
         dtype = out.dtype
     if isinstance(data, np.ndarray):
         data = torch.from_numpy(data)
     t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data, dtype=dtype)
+    if pin and not t.is_pinned():
+        t = t.pin_memory()
     if out is not None:
-        return out.copy_(t)
-    return t.to(device=device, dtype=dtype)
+        return out.copy_(t, non_blocking=pin)
+    return t.to(device=device, dtype=dtype, non_blocking=pin)
 
 
 def _no_uva_view(t: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("the oracle's stand-in has no UVA: vLLM should have chosen its non-UVA buffers")
 
 
-def stand_in_modules(device_type: str) -> dict[str, types.ModuleType]:
+class _PinnedHostMemory:
+    """A pinned CPU tensor's memory described by `__cuda_array_interface__` (version 3) at its host address; it holds
+    the tensor, so the memory lives as long as a view made from it."""
+
+    def __init__(self, cpu: torch.Tensor):
+        self.cpu = cpu
+        size = cpu.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": tuple(cpu.shape),
+            "strides": tuple(s * size for s in cpu.stride()),
+            "typestr": torch.empty(0, dtype=cpu.dtype).numpy().dtype.str,
+            "data": (cpu.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def cuda_view_of_pinned(cpu: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over `cpu`'s own memory (same shape, strides, dtype): kernels that read it read the host memory
+    and their writes land there. The stand-in for vLLM's compiled `get_cuda_view_from_cpu_tensor`.
+
+    It relies on unified virtual addressing, under which pinned host memory has the same address on the device as on
+    the host (the address multiwrite's own Triton kernels are handed for their pinned staging memory); `uva_path`
+    checks that it holds on the machine before the anchor takes this path. torch builds the view from the memory's
+    `__cuda_array_interface__` (it asks the CUDA runtime which device the memory belongs to, and refuses memory that
+    is not registered with CUDA), so no CUDA library is looked up by name here.
+
+    Raises:
+        ValueError: `cpu` is not a pinned CPU tensor (a pageable one has no device address).
+    """
+    if cpu.device.type != "cpu" or not cpu.is_pinned():
+        raise ValueError(f"a CUDA view needs a pinned CPU tensor; got one on {cpu.device}, pinned: {cpu.is_pinned()}")
+    if cpu.numel() == 0:
+        return torch.empty(cpu.shape, dtype=cpu.dtype, device="cuda")
+    return torch.as_tensor(_PinnedHostMemory(cpu))
+
+
+@functools.cache
+def uva_path(device_type: str) -> tuple[bool, str]:
+    """(True, "") where vLLM's UVA path can run on `device_type` here, else (False, why): a CUDA (or ROCm) device,
+    pinned memory, and a view from `cuda_view_of_pinned` that reads what the host wrote and whose device writes the
+    host then reads. Checked once per process."""
+    if device_type != "cuda":
+        return False, f"vLLM's UVA buffers are for CUDA and ROCm devices, not {device_type}"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    try:
+        host = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        host.copy_(torch.tensor([3, 1, 4, 1], dtype=torch.int32))
+        view = cuda_view_of_pinned(host)
+        read = view.clone().cpu().tolist()
+        view.add_(10)
+        torch.cuda.synchronize()
+        written = host.tolist()
+    except Exception as exc:  # no pinned memory, or torch refused the view: vLLM's fallback then
+        return False, f"no CUDA view of pinned memory here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    if view.device.type != "cuda" or read != [3, 1, 4, 1] or written != [13, 11, 14, 11]:
+        return False, f"a CUDA view of pinned memory does not alias it here (read {read}, host after a write {written})"
+    return True, ""
+
+
+def stand_in_modules(device_type: str, uva: bool = False) -> dict[str, types.ModuleType]:
     """The stand-ins for the vLLM modules the two files import, by module name (not yet in `sys.modules`:
-    `modules_in_place` puts them there): the real Triton, `PAD_SLOT_ID = -1`, a logger with `warning_once`, no UVA
-    (`is_uva_available()` is False), host-to-device copies, and `current_platform.device_type = device_type`."""
+    `modules_in_place` puts them there): the real Triton, `PAD_SLOT_ID = -1`, a logger with `warning_once`,
+    `current_platform.device_type = device_type`, and with `uva` vLLM's UVA path (`is_uva_available()` True, views by
+    `cuda_view_of_pinned`, host-to-device copies staged in pinned memory), else its fallback (False, plain copies)."""
     import triton
     import triton.language as tl
 
@@ -145,9 +222,11 @@ def stand_in_modules(device_type: str) -> dict[str, types.ModuleType]:
     mods["vllm.triton_utils"] = module("vllm.triton_utils", triton=triton, tl=tl)
     mods["vllm.v1.attention.backends.utils"] = module("vllm.v1.attention.backends.utils", PAD_SLOT_ID=PAD)
     mods["vllm.logger"] = module("vllm.logger", init_logger=lambda name: OnceLogger(logging.getLogger(name), {}))
-    mods["vllm.utils.platform_utils"] = module("vllm.utils.platform_utils", is_uva_available=lambda: False)
+    mods["vllm.utils.platform_utils"] = module("vllm.utils.platform_utils", is_uva_available=lambda: uva)
     mods["vllm.utils.torch_utils"] = module(
-        "vllm.utils.torch_utils", async_tensor_h2d=_to_device, get_accelerator_view_from_cpu_tensor=_no_uva_view
+        "vllm.utils.torch_utils",
+        async_tensor_h2d=functools.partial(_to_device, pin=uva),
+        get_accelerator_view_from_cpu_tensor=cuda_view_of_pinned if uva else _no_uva_view,
     )
     mods["vllm.platforms"] = module("vllm.platforms", current_platform=types.SimpleNamespace(device_type=device_type))
     return mods
@@ -168,12 +247,13 @@ def modules_in_place(mods: dict[str, types.ModuleType], also: tuple[str, ...] = 
                 sys.modules[name] = old
 
 
-def load_modules(source: Path, device_type: str) -> tuple[types.ModuleType, types.ModuleType, dict]:
-    """Load `source`'s `buffer_utils.py` and `block_table.py` as `vllm.v1.worker.gpu.*` with the stand-ins in place;
+def load_modules(source: Path, device_type: str, uva: bool = False) -> tuple[types.ModuleType, types.ModuleType, dict]:
+    """Load `source`'s `buffer_utils.py` and `block_table.py` as `vllm.v1.worker.gpu.*` with the stand-ins in place
+    (`uva`: vLLM's UVA path, `stand_in_modules`);
     `sys.modules` is restored afterwards. Returns (block_table, buffer_utils, the modules vLLM's code needs in
     `sys.modules` while it runs: its buffers import `vllm.platforms` when they are built). Set `TRITON_INTERPRET=1`
     first where there is no GPU (Triton reads it when vLLM's kernels are decorated)."""
-    mods = stand_in_modules(device_type)
+    mods = stand_in_modules(device_type, uva)
     with modules_in_place(mods, also=("vllm.v1.worker.gpu.buffer_utils", "vllm.v1.worker.gpu.block_table")):
         loaded = {}
         for short in ("buffer_utils", "block_table"):
@@ -187,17 +267,43 @@ def load_modules(source: Path, device_type: str) -> tuple[types.ModuleType, type
     return loaded["block_table"], loaded["buffer_utils"], mods
 
 
-def load_vllm_block_tables(device_type: str) -> type:
-    """vLLM 0.33's `BlockTables` class for a process that keeps using it (the bench): an installed vLLM's, else the
-    located files' (`locate_sources`), whose stand-ins then stay in `sys.modules` (only where vLLM is not installed).
+class VllmAnchor(NamedTuple):
+    """vLLM 0.33's `BlockTables` class as `load_vllm_anchor` found it, and the path its buffers take: `path` is
+    "uva" (pinned host buffers its kernels read in place, as vLLM runs on CUDA) or "fallback" (explicit
+    host-to-device copies); `why` says why the fallback ("" on the UVA path)."""
+
+    cls: type
+    path: str
+    why: str
+
+
+def load_vllm_anchor(device_type: str) -> VllmAnchor:
+    """vLLM 0.33's `BlockTables` for a process that keeps using it (the bench), on vLLM's UVA path where `uva_path`
+    finds it works on `device_type`, else on its fallback: an installed vLLM's class (whose own `is_uva_available`
+    then decides), else the located files' (`locate_sources`), whose stand-ins then stay in `sys.modules` (only where
+    vLLM is not installed).
 
     Raises:
         VllmSourceError: neither vLLM nor its files are available (the message says how to provide them).
     """
     try:
-        return importlib.import_module("vllm.v1.worker.gpu.block_table").BlockTables
+        cls = importlib.import_module("vllm.v1.worker.gpu.block_table").BlockTables
     except ImportError:
         pass
-    block_table, _, mods = load_modules(locate_sources(Path(tempfile.mkdtemp(prefix="multiwrite-vllm-"))), device_type)
+    else:
+        installed = importlib.import_module("vllm.utils.platform_utils").is_uva_available()
+        return VllmAnchor(cls, "uva" if installed else "fallback", "" if installed else "the installed vLLM has no UVA")
+    uva, why = uva_path(device_type)
+    source = locate_sources(Path(tempfile.mkdtemp(prefix="multiwrite-vllm-")))
+    block_table, _, mods = load_modules(source, device_type, uva)
     sys.modules.update(mods)
-    return block_table.BlockTables
+    return VllmAnchor(block_table.BlockTables, "uva" if uva else "fallback", why)
+
+
+def load_vllm_block_tables(device_type: str) -> type:
+    """`load_vllm_anchor(device_type).cls`: vLLM 0.33's `BlockTables` class (on the path `load_vllm_anchor` chose).
+
+    Raises:
+        VllmSourceError: neither vLLM nor its files are available (the message says how to provide them).
+    """
+    return load_vllm_anchor(device_type).cls

@@ -26,7 +26,7 @@ def test_the_anchor_designs_equal_the_reference_and_a_wrong_slot_is_reported():
     from multiwrite.bench import stage as st
     from multiwrite.bench import stage_designs as designs
 
-    bs, kbs = st.CONFIGS[st.STAGE_CONFIG]
+    bs, kbs = st.STAGE_CONFIGS[st.STAGE_CONFIG]
     cpu = torch.device("cpu")
     runners = [v(cpu, "torch-cpu", 8, 8192) for v in (designs.Anchor3, designs.Anchor2, designs.Ours)]
     ref = ReferenceBlockTables(bs, 8, max_blocks_per_group(bs), kbs)

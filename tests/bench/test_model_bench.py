@@ -168,17 +168,20 @@ def test_the_small_preset_runs_and_verifies_on_cpu(capsys):
 @pytest.mark.parametrize(
     ("extra", "device", "expected", "line"),
     [
-        ((), "cpu", ("tiny", "sdpa-gathered", 60),
-         "--quick --model: --model-preset tiny, --model-steps 60, --attention sdpa-gathered (a smoke test; "),
-        (("--model-preset", "small", "--model-steps", "30", "--attention", "flex-paged"), "cpu",
-         ("small", "flex-paged", 30), ""),
-        ((), "cuda", ("llama-8b", "auto", 60), "--quick --model: --model-steps 60 (a smoke test; "),
+        ((), "cpu", ("tiny", "sdpa-gathered", 40, [40]),
+         "--quick --model: --model-preset tiny, --model-steps 40, --concurrency 40 for --model, --attention "
+         "sdpa-gathered (a smoke test; "),
+        (("--model-preset", "small", "--model-steps", "30", "--attention", "flex-paged", "--concurrency", "8,16"),
+         "cpu", ("small", "flex-paged", 30, [8, 16]), ""),
+        ((), "cuda", ("llama-8b", "auto", 40, [40]), "--quick --model: --model-steps 40, --concurrency 40 for --model "
+         "(a smoke test; "),
     ],
     ids=["cpu", "cpu-chosen-by-hand", "cuda"],
-)
+)  # fmt: skip
 def test_quick_model_picks_a_smoke_test_and_says_so(monkeypatch, extra, device, expected, line):
-    """`--quick --model` on a CPU: the tiny preset, few steps, gathered SDPA, each named in one line; options given
-    by hand win and are not named. (The fit check is left out: this tests the choice, not a run.)"""
+    """`--quick --model` on a CPU: the tiny preset, few steps at one concurrency, gathered SDPA, each named in one
+    line; options given by hand win and are not named. (The fit check is left out: this tests the choice, not a
+    run.)"""
     import torch
 
     from multiwrite.cli import bench_model, build_parser
@@ -187,5 +190,5 @@ def test_quick_model_picks_a_smoke_test_and_says_so(monkeypatch, extra, device, 
     monkeypatch.setattr(bench_model, "refuse_if_it_cannot_fit", lambda *a: None)
     args = build_parser().parse_args(["bench", "--quick", "--model", *extra])
     opts = bench_model.model_options(args, options_from_args(args), torch.device(device))
-    assert (opts.preset, opts.attention, opts.steps) == expected
+    assert (opts.preset, opts.attention, opts.steps, opts.concurrency) == expected
     assert opts.chosen.startswith(line) if line else opts.chosen == ""

@@ -87,14 +87,15 @@ def test_the_plot_of_a_gpu_run_is_written(tmp_path):
 
 
 def test_the_stage_goals_judge_each_design_per_concurrency_or_say_it_was_not_in_the_run():
-    def row(variant, c, x):
-        return {"variant": variant, "C": c, "step_x_empty": x}
+    def row(variant, c, x, config="G3"):
+        return {"variant": variant, "C": c, "step_x_empty": x, "config": config}
 
     r = StageResult(rows=[row("ours", 40, 1.5), row("ours-batched", 256, 2.5), row("graph-mode-batched", 40, 0.31),
-                          row("graph-mode-batched", 256, 1.2), row("graph-mode", 40, 0.6)])  # fmt: skip
+                          row("graph-mode-batched", 256, 1.2), row("graph-mode", 40, 0.6),
+                          row("ours", 256, 9.9, "G20")])  # fmt: skip
     lines = stage_goal_lines(r, gpu=True, interpreted=False)
     assert lines[0] == "GPU ours (prepare_inputs, staging included) at C=40 G3 = 1.50 empty launches; goal <= 2: met"
-    assert lines[1] == "GPU ours at C=256 G3 <= 2 empty launches: not in this run"
+    assert lines[1] == "GPU ours at C=256 G3 <= 2 empty launches: not in this run"  # (G20's row is no G3 figure)
     assert lines[3] == ("GPU ours-batched (prepare_inputs, batched staging) at C=256 G3 = 2.50 empty launches; goal "
                         "<= 1.2: missed by 2.1x")  # fmt: skip
     assert lines[4] == "GPU vllm-3-calls at C=40 G3 <= 1.5 empty launches: not in this run"
