@@ -13,7 +13,7 @@ from multiwrite.bench.groups import BY_GROUP_COUNT, GROUP_KINDS, STAGE_CONFIGS, 
 from multiwrite.cli import main
 from multiwrite.plugins.dispatch import BACKEND_ENV
 from multiwrite.workload import MAX_MODEL_LEN, max_blocks_per_group
-from tests.support import SMALL_TRACE, one_line_error
+from tests.support.processes import SMALL_TRACE, one_line_error
 
 RUN = ["bench", "--quick", "--trace", SMALL_TRACE, "--warmup", "0", "--no-progress", "--device", "cpu",
        "--configs", "G3", "--concurrency", "40", "--burst-reps", "0"]  # fmt: skip

@@ -59,7 +59,7 @@ def test_the_anchor_runs_vllms_uva_path_and_its_outputs_equal_ours(device, confi
     from multiwrite.bench.stage_designs import StepBuffers, Vllm033, VllmThreeCalls
     from multiwrite.bench.variants import compare
     from multiwrite.workload import TOKEN_BUDGET, load_trace, replay_schedule
-    from tests.support import SMALL_TRACE
+    from tests.support.processes import SMALL_TRACE
 
     c = 40
     anchor, ours = Vllm033(device, None, c, TOKEN_BUDGET, config), VllmThreeCalls(device, None, c, TOKEN_BUDGET, config)
