@@ -6,6 +6,9 @@
 #   matrix  the whole suite with triton-cuda forced (tests/gpu apart)
 #   bench   multiwrite bench --configs G3 --stage (vLLM 0.33's files from $MULTIWRITE_VLLM_SRC, default .vllm-src)
 #   oracle  tests/vllm against vLLM 0.33's own class on CUDA
+#   sweep   multiwrite bench --stage --groups 3,11,20 (the stage designs over 3, 11 and 20 KV-cache groups)
+#   sglang  tests/sglang on CUDA and multiwrite bench --sglang (SGLang's files from $MULTIWRITE_SGLANG_SRC,
+#           default .sglang-src: allocation.py, common.py, memory_pool.py out of SGLang 0.5.23's wheel)
 #   old     the named new GPU tests ($OLD_TESTS) against the tree in .old-tree.tar (they must fail there)
 set -u
 out=${OUT:-$PWD/h200-out}
@@ -13,6 +16,8 @@ mkdir -p "$out"
 parts=${*:-tests matrix bench}
 export PYTHONUNBUFFERED=1
 export MULTIWRITE_VLLM_SRC=${MULTIWRITE_VLLM_SRC:-$PWD/.vllm-src}
+export MULTIWRITE_SGLANG_SRC=${MULTIWRITE_SGLANG_SRC:-$PWD/.sglang-src}
+python3 setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || { cat "$out/build.log"; exit 3; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 3; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; python3 -m multiwrite info; } >"$out/env.log" 2>&1
 cat "$out/env.log"
@@ -24,6 +29,11 @@ for part in $parts; do
               tests --ignore=tests/gpu --maxfail=30 >"$out/matrix.log" 2>&1 ;;
     bench) timeout 420 python3 -m multiwrite bench --configs G3 --stage --steps 300 --concurrency 40,256 \
               --burst-reps 0 --no-progress --csv "$out/bench.csv" >"$out/bench.log" 2>&1 ;;
+    sweep) timeout ${SWEEP_S:-420} python3 -m multiwrite bench --stage --groups 3,11,20 --steps ${SWEEP_STEPS:-200} \
+              --concurrency 40,256 --burst-reps 0 --no-progress --csv "$out/sweep.csv" >"$out/sweep.log" 2>&1 ;;
+    sglang) { timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/sglang; \
+              timeout 240 python3 -m multiwrite bench --sglang --no-progress --csv "$out/sglang.csv" \
+              --plot "$out/sglang.png"; } >"$out/sglang.log" 2>&1 ;;
     oracle) MULTIWRITE_VLLM_SCENARIOS=${SCENARIOS:-100} timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider \
               tests/vllm >"$out/oracle.log" 2>&1 ;;
     old) rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf .old-tree.tar -C /tmp/old && \
