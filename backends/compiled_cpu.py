@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from multiwrite.device_writes_torch import TORCH_DEVICE_WRITE_SOURCES, apply_device_writes_torch
 from multiwrite.errors import StagedWriteError
 from multiwrite.plugins.backend import Backend, WriteBatch, remember
 from multiwrite.plugins.hookspecs import hookimpl
@@ -46,6 +47,7 @@ class CompiledCpuBackend(Backend):
     NAME = "compiled-cpu"
     PRIORITY = 10
     SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
+    DEVICE_WRITE_SOURCES = TORCH_DEVICE_WRITE_SOURCES
 
     def __init__(self) -> None:
         # (dtype, data_ptr, shape, stride of every table) -> (int64 [num_tables, 5] descriptors, numpy
@@ -101,6 +103,10 @@ class CompiledCpuBackend(Backend):
                     scatter_writes(meta, values, descriptors, check_only)
                 except ValueError as exc:  # a write outside its table: the C helper checks before writing
                     raise StagedWriteError(f"{self.NAME} ({dtype_name(dtype)} tables): {exc}") from None
+
+    def apply_device_writes(self, table, writes, *, ordered, faults) -> None:
+        """Device-sourced writes with torch ops (`multiwrite.device_writes_torch`): `Backend.apply_device_writes`."""
+        apply_device_writes_torch(table, writes, ordered, faults, self.NAME)
 
 
 _BACKEND = CompiledCpuBackend()
