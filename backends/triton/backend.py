@@ -183,14 +183,19 @@ class TritonBackend(Backend):
     def apply_device_writes(self, table, writes, *, ordered, faults) -> None:
         """Every set in one launch of the device-writes kernel (`multiwrite/backends/triton/device_writes.py`), on the
         current stream, no host synchronization; capturable in a CUDA graph. See `Backend.apply_device_writes`."""
-        runner = self._device_writes.get(table.device)
+        self.device_writes_runner(table.device).apply(table, writes, ordered, faults)
+
+    def device_writes_runner(self, device: torch.device) -> DeviceWritesRunner:
+        """The `DeviceWritesRunner` (ring, scan states, launcher of device-sourced writes) of `device`."""
+        runner = self._device_writes.get(device)
         if runner is None:
             from multiwrite.backends.triton.device_writes import DeviceWritesRunner
 
-            state = self.device_state(table.device)
+            state = self.device_state(device)
             with self._lock:
-                runner = self._device_writes.setdefault(table.device, DeviceWritesRunner(state))
-        runner.apply(table, writes, ordered, faults)
+                runner = self._device_writes.get(device) or self._device_writes.setdefault(device,
+                                                                                            DeviceWritesRunner(state))
+        return runner
 
     def plan(self, layout: TablesLayout, arena: StagingArena) -> TritonPlan:
         """Every job of a `BlockTables` in one launch (`multiwrite/backends/triton/plan.py`)."""

@@ -100,7 +100,7 @@ def test_sglang_prefix_and_extend_in_one_call(backend):
     dev = backend.device
     pool = torch.zeros((6, 12), dtype=torch.int32, device=dev)
     req, pre, ext = [3, 1, 5], [4, 0, 2], [2, 3, 5]
-    prefixes = [torch.arange(100 * (i + 1), 100 * (i + 1) + n, dtype=torch.int64, device=dev) for i, n in enumerate(pre)]
+    prefixes = [torch.arange(100 * i, 100 * i + n, dtype=torch.int64, device=dev) for i, n in enumerate(pre, 1)]
     out_cache_loc = torch.arange(1000, 1000 + sum(ext), dtype=torch.int64, device=dev)
     rows = torch.tensor(req, device=dev)
     kind = "addresses" if "addresses" in select_backend(dev, backend.name).DEVICE_WRITE_SOURCES else "tensors"
