@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from multiwrite.device_writes_torch import TORCH_DEVICE_WRITE_SOURCES, apply_device_writes_torch
 from multiwrite.errors import StagedWriteError
 from multiwrite.plugins.backend import Backend, WriteBatch, remember
+from multiwrite.plugins.device_writes_torch import TORCH_DEVICE_WRITE_SOURCES, apply_device_writes_torch
 from multiwrite.plugins.hookspecs import hookimpl
 from multiwrite.staging.layout import SUPPORTED_DTYPES, dtype_name
 
@@ -105,7 +105,7 @@ class CompiledCpuBackend(Backend):
                     raise StagedWriteError(f"{self.NAME} ({dtype_name(dtype)} tables): {exc}") from None
 
     def apply_device_writes(self, table, writes, *, ordered, faults) -> None:
-        """Device-sourced writes with torch ops (`multiwrite.device_writes_torch`): `Backend.apply_device_writes`."""
+        """`Backend.apply_device_writes` with torch ops (`multiwrite.plugins.device_writes_torch`)."""
         apply_device_writes_torch(table, writes, ordered, faults, self.NAME)
 
 

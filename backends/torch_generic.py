@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from multiwrite.device_writes_torch import TORCH_DEVICE_WRITE_SOURCES, apply_device_writes_torch
 from multiwrite.plugins.backend import Backend, WriteBatch
+from multiwrite.plugins.device_writes_torch import TORCH_DEVICE_WRITE_SOURCES, apply_device_writes_torch
 from multiwrite.plugins.hookspecs import hookimpl
 from multiwrite.staging.layout import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
 
@@ -83,7 +83,7 @@ class TorchGenericBackend(Backend):
                         _scatter(batch, part, members)
 
     def apply_device_writes(self, table, writes, *, ordered, faults) -> None:
-        """Device-sourced writes with torch ops (`multiwrite.device_writes_torch`): `Backend.apply_device_writes`."""
+        """`Backend.apply_device_writes` with torch ops (`multiwrite.plugins.device_writes_torch`)."""
         apply_device_writes_torch(table, writes, ordered, faults, self.NAME)
 
 

@@ -13,6 +13,7 @@ captured addresses.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,8 +23,10 @@ from multiwrite.backends.triton.kernels import device_writes as kernel
 from multiwrite.backends.triton.launcher import Launcher
 from multiwrite.backends.triton.ring import SlotRing
 from multiwrite.capture import is_capturing, setup_calls
-from multiwrite.device_writes import DeviceWrites
 from multiwrite.errors import StagedWriteError
+
+if TYPE_CHECKING:
+    from multiwrite.device_writes import DeviceWrites
 
 _SET_WORDS = kernel.SET_WORDS.value
 _STATE_WORDS = kernel.STATE_WORDS.value

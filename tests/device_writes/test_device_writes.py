@@ -232,3 +232,28 @@ def test_address_sources_need_a_backend_that_reads_addresses():
                      source_dtype=torch.int64)  # fmt: skip
     with pytest.raises(BackendUnavailableError, match="device-sourced writes from addresses"):
         apply_device_writes(torch.zeros((1, 4), dtype=torch.int64), w, backend="torch-cpu")
+
+
+def test_auto_selection_picks_a_backend_that_reads_every_kind_of_the_call(auto_selection):
+    """On CPU the torch backends win flat values; only a Triton backend (the interpreter here) reads raw addresses."""
+    cpu = torch.device("cpu")
+    assert select_backend(cpu, dtypes=[torch.int32], device_writes={"values"}).NAME in ("compiled-cpu", "torch-cpu")
+    chosen = select_backend(cpu, dtypes=[torch.int32], device_writes={"values", "addresses"})
+    assert "addresses" in chosen.DEVICE_WRITE_SOURCES
+
+
+def test_a_backend_declaring_device_writes_wrongly_is_set_aside_naming_the_value():
+    from multiwrite import Backend
+    from multiwrite.plugins.checked import BackendContractError
+
+    class Wrong(Backend):
+        NAME = "wrong-device-writes"
+        SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
+        DEVICE_WRITE_SOURCES = "values"  # a str, not a set of kinds
+
+        def apply(self, batches):
+            raise AssertionError("not called")
+
+    w = DeviceWrites(torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), values=torch.tensor([1]))
+    with pytest.raises(BackendContractError, match=r"DEVICE_WRITE_SOURCES='values' \(a str\) is not a set"):
+        apply_device_writes(torch.zeros((1, 1), dtype=torch.int64), w, backend=Wrong())

@@ -9,12 +9,15 @@ never by address. docs/device-writes.md has the contract.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from multiwrite.capture import is_capturing
-from multiwrite.device_writes import DeviceWrites
 from multiwrite.errors import GraphCaptureError
+
+if TYPE_CHECKING:
+    from multiwrite.device_writes import DeviceWrites
 
 #: The source kinds these backends read (`Backend.DEVICE_WRITE_SOURCES`).
 TORCH_DEVICE_WRITE_SOURCES = frozenset({"values", "tensors"})
