@@ -70,7 +70,7 @@ class DeviceWritesRunner:
         block_w, block_l = _TILES[tile]
         tiles = [(w.num_writes + block_w - 1) // block_w for w in writes]
         total = sum(tiles)
-        words = len(writes) * _SET_WORDS + sum(w.num_writes for w in writes if w.kind == "tensors")
+        words = len(writes) * _SET_WORDS + sum(2 * w.num_writes for w in writes if w.kind == "tensors")
         p = self.device.params
         if ordered:
             splits = programs = 1
@@ -136,7 +136,7 @@ def _bound(writes: Sequence[DeviceWrites], table: torch.Tensor) -> int:
 
 
 def _describe(out: np.ndarray, writes: Sequence[DeviceWrites], tiles: list[int], out_addr: int) -> None:
-    """Fill `out` (int64, at address `out_addr`) with the set descriptors, then the address tables of per-row
+    """Fill `out` (int64, at address `out_addr`) with the set descriptors, then the addresses and sizes of per-row
     tensors."""
     first = 0
     tail = len(writes) * _SET_WORDS
@@ -154,7 +154,8 @@ def _describe(out: np.ndarray, writes: Sequence[DeviceWrites], tiles: list[int],
             else:
                 n = w.num_writes
                 out[tail : tail + n] = [x.data_ptr() for x in w.sources]  # type: ignore[union-attr]
-                source, tail = out_addr + 8 * tail, tail + n
+                out[tail + n : tail + 2 * n] = [x.shape[0] for x in w.sources]  # type: ignore[union-attr]
+                source, count, tail = out_addr + 8 * tail, out_addr + 8 * (tail + n), tail + 2 * n
         flags |= code << 4
         out[s * _SET_WORDS : (s + 1) * _SET_WORDS] = (w.rows.data_ptr(), w.starts.data_ptr(), w.lengths.data_ptr(),
                                                       source, w.num_writes, first, flags, count)  # fmt: skip

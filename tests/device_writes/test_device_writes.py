@@ -169,6 +169,20 @@ def test_bad_writes_without_host_copies_are_skipped_whole_and_recorded(backend):
     faults.check()  # cleared: quiet
 
 
+def test_a_per_row_tensor_shorter_than_its_length_is_skipped_without_host_copies(backend):
+    _skip_without(backend, ["tensors"])
+    dev = backend.device
+    tensors = [torch.tensor([1, 2], device=dev), torch.tensor([3, 4, 5], device=dev), torch.tensor([6], device=dev)]
+    w = DeviceWrites(*(torch.tensor(x, device=dev) for x in ([0, 1, 2], [0, 0, 1], [2, 4, 1])), sources=tensors)
+    table = torch.zeros((3, 4), dtype=torch.int64, device=dev)
+    faults = DeviceWriteFaults(dev)
+    apply_device_writes(table, w, backend=backend.name, faults=faults)
+    assert host(table).tolist() == [[1, 2, 0, 0], [0, 0, 0, 0], [0, 6, 0, 0]]
+    skipped: list = []
+    np.testing.assert_array_equal(host(table), apply_device_writes_reference(np.zeros((3, 4), np.int64), [w], skipped))
+    assert skipped == [(0, 1)] and int(host(faults.tensor)[0]) == 1 and int(host(faults.tensor)[2]) == 1
+
+
 def test_row_offsets_past_2_to_the_31_elements(backend):
     """A table whose row 1 starts 2^31 + 16 elements after row 0 (a sparse 8 GiB mapping: only touched pages take
     memory): `row * row_stride` must be computed in 64 bits, or the write lands near the start of the mapping."""

@@ -22,7 +22,8 @@ each tile, and within a tile a cell a later write of the tile also writes is lef
 index order, the later wins.
 
 Bad writes (row outside the table, start < 0, length < 0, past the row, past the set's values) are skipped whole,
-never clipped; each is counted into the fault record and one of them described. Addresses
+never clipped (a per-row tensor shorter than its length too; raw addresses have no known extent); each is counted
+into the fault record and one of them described. Addresses
 are int64 throughout: `row * row_stride` for rows of any width.
 """
 
@@ -39,7 +40,7 @@ DO_NOT_SPECIALIZE = ("sets_addr", "state_addr", "faults_addr", "counter_addr", "
                      "capacity")  # fmt: skip
 #: int64 words of one set descriptor: rows, starts, lengths, source (values, or the address table), n, first tile,
 #: flags (bit 0/1/2: rows/starts/lengths are int64; bit 3: per-row addresses; bits 4-5: source dtype: 0 int32,
-#: 1 int64, 2 float32), number of values.
+#: 1 int64, 2 float32), number of flat values (per-row sources: the address of their sizes, or 0 where unknown).
 SET_WORDS: tl.constexpr = tl.constexpr(8)
 #: int64 words of the scan state before the flags: ticket, finished programs, epoch.
 STATE_WORDS: tl.constexpr = tl.constexpr(3)
@@ -186,8 +187,12 @@ def device_writes_kernel_fn(
             offset = excl + incl - counted
             ok &= offset + length <= tl.load(d + 7)
             base = tl.load(d + 3) + offset * esize
-        else:  # per-row addresses
+        else:  # per-row addresses, and their tensors' sizes where known (word 7: their address, else 0)
             base = tl.load(tl.load(d + 3).to(tl.pointer_type(tl.int64)) + w, mask=live, other=0)
+            sizes = tl.load(d + 7)
+            known = (w * 0 + sizes) != 0
+            size = tl.load(sizes.to(tl.pointer_type(tl.int64)) + w, mask=live & known, other=0)
+            ok &= ~known | (length <= size)
         ok &= live
         record_faults(faults, live & ~ok, w, s, row, start, length, rows, cols)
         cells = tl.where(ok, length, 0)
