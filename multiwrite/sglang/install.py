@@ -114,7 +114,8 @@ def signature_differences(module: Any) -> list[str]:
     funcs = getattr(module, "ALLOC_FOR_DECODE_FUNCS", None)
     if funcs is None or not callable(getattr(funcs, "__setitem__", None)):
         diffs.append(f"{ALLOCATION_MODULE} has no ALLOC_FOR_DECODE_FUNCS registry (a dict by device type)")
-    elif DEVICE_TYPE in funcs and funcs[DEVICE_TYPE] is not alloc_for_decode:
+    elif funcs.get(DEVICE_TYPE) not in (None, alloc_for_decode, getattr(module, "alloc_for_decode_default", None)):
+        # (SGLang's default lands there too: a lookup of the defaultdict inserts it)
         diffs.append(f"ALLOC_FOR_DECODE_FUNCS[{DEVICE_TYPE!r}] is already {funcs[DEVICE_TYPE]!r} (another plugin's)")
     return diffs
 
@@ -159,31 +160,35 @@ def install() -> list[str]:
             "writers, nothing was replaced: " + "; ".join(diffs)
         )
     theirs = module.write_cache_indices
-    for ns in _sglang_namespaces():
-        if ns.get("write_cache_indices") is theirs:
-            ns["write_cache_indices"] = write_cache_indices
-    module.ALLOC_FOR_DECODE_FUNCS[DEVICE_TYPE] = alloc_for_decode
-    _installed = {"module": module, "write_cache_indices": theirs}
+    holders = [ns for ns in _sglang_namespaces() if ns.get("write_cache_indices") is theirs]
+    for ns in holders:
+        ns["write_cache_indices"] = write_cache_indices
+    funcs = module.ALLOC_FOR_DECODE_FUNCS
+    _installed = {"module": module, "write_cache_indices": theirs, "holders": holders, "decode": funcs.get(DEVICE_TYPE)}
+    funcs[DEVICE_TYPE] = alloc_for_decode
     logger.info("multiwrite.sglang: write_cache_indices replaced and ALLOC_FOR_DECODE_FUNCS[%r] registered in %s",
                 DEVICE_TYPE, ALLOCATION_MODULE)  # fmt: skip
     return ["write_cache_indices", f"ALLOC_FOR_DECODE_FUNCS[{DEVICE_TYPE!r}]"]
 
 
 def uninstall() -> list[str]:
-    """Put SGLang's `write_cache_indices` back wherever `install()` bound multiwrite's and take `cuda` out of
-    `ALLOC_FOR_DECODE_FUNCS` (SGLang's default then serves it again); returns what was put back (nothing if
+    """Put SGLang's `write_cache_indices` back wherever `install()` bound multiwrite's and `ALLOC_FOR_DECODE_FUNCS`'s
+    `cuda` entry as it was (none: SGLang's default then serves it again); returns what was put back (nothing if
     `install()` replaced nothing in this process)."""
     global _installed
     if _installed is None:
         return []
     from multiwrite.sglang.writes import write_cache_indices
 
-    for ns in _sglang_namespaces():
+    for ns in _installed["holders"] + _sglang_namespaces():  # (and modules that imported ours since)
         if ns.get("write_cache_indices") is write_cache_indices:
             ns["write_cache_indices"] = _installed["write_cache_indices"]
     funcs = _installed["module"].ALLOC_FOR_DECODE_FUNCS
     if funcs.get(DEVICE_TYPE) is alloc_for_decode:
-        del funcs[DEVICE_TYPE]
+        if _installed["decode"] is None:
+            del funcs[DEVICE_TYPE]
+        else:
+            funcs[DEVICE_TYPE] = _installed["decode"]
     _installed = None
     return ["write_cache_indices", f"ALLOC_FOR_DECODE_FUNCS[{DEVICE_TYPE!r}]"]
 
