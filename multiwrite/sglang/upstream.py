@@ -244,6 +244,55 @@ def load_upstream(source: Path, settings: Settings | None = None) -> Upstream:
     return Upstream(allocation, kernels, pool_cls, source, settings, mods)
 
 
+class Allocator:
+    """The stand-in KV-slot allocator of SGLang's decode allocation: hands out the `slots` it is given and records
+    what it was asked (`asked`: (method, args)); `freed` collects what was given back."""
+
+    def __init__(self, slots: Any, page_size: int) -> None:
+        self.slots, self.page_size = slots, page_size
+        self.asked: list[tuple[str, tuple]] = []
+        self.freed: list[Any] = []
+
+    def alloc(self, num_tokens: int) -> Any:
+        self.asked.append(("alloc", (num_tokens,)))
+        return self.slots[:num_tokens]
+
+    def alloc_decode(self, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> Any:
+        self.asked.append(("alloc_decode", (seq_lens.clone(), seq_lens_cpu.clone(), last_loc.clone())))
+        return self.slots[: seq_lens.shape[0]]
+
+    def free(self, slots: Any) -> None:
+        self.freed.append(slots)
+
+
+def decode_batch(pool: Any, rows: list[int], seq_lens: list[int], slots: Any, page_size: int = 1,
+                 encoder_lens: list[int] | None = None) -> types.SimpleNamespace:  # fmt: skip
+    """A stand-in for SGLang's `ScheduleBatch` with what its decode allocation reads: the pool, the requests' rows
+    and lengths (device and CPU), a tree cache with `page_size` over an `Allocator` of `slots`, a model config
+    (encoder-decoder when `encoder_lens` is given), and per-request KV counters."""
+    import torch
+
+    device = pool.req_to_token.device
+    allocator = Allocator(slots, page_size)
+    evicted: list[bool] = []
+    return types.SimpleNamespace(
+        device=device,
+        req_to_token_pool=pool,
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+        req_pool_indices_cpu=torch.tensor(rows, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
+        encoder_lens=None if encoder_lens is None else torch.tensor(encoder_lens, dtype=torch.int64, device=device),
+        model_config=types.SimpleNamespace(is_encoder_decoder=encoder_lens is not None),
+        tree_cache=types.SimpleNamespace(page_size=page_size, token_to_kv_pool_allocator=allocator,
+                                         pretty_print=lambda: None),  # fmt: skip
+        reqs=[types.SimpleNamespace(kv=types.SimpleNamespace(kv_allocated_len=n, kv_committed_len=n))
+              for n in seq_lens],  # fmt: skip
+        maybe_evict_swa=lambda: evicted.append(True),
+        evicted=evicted,
+    )
+
+
 def load_for_bench() -> Upstream:
     """SGLang's writers for the bench: an installed SGLang's own modules where it imports (with its own settings:
     `settings` then does nothing), else the located files' (`locate_sources`), active for the rest of the process.

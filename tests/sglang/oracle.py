@@ -1,20 +1,17 @@
 """SGLang 0.5.23's own writers as a test oracle, loaded at test time from SGLang's wheel (nothing of SGLang is kept
-here): `multiwrite.sglang.upstream` locates and loads them; this module fetches the wheel for `tox -e sglang`
-(`tests.wheels`: downloaded once per machine into `$XDG_CACHE_HOME/multiwrite`, sha256-checked) and holds the
-stand-in batch SGLang's decode allocation reads.
+here): `multiwrite.sglang.upstream` locates and loads them (and builds the stand-in batch SGLang's decode allocation
+reads, `decode_batch`); this module fetches the wheel for `tox -e sglang` (`tests.wheels`: downloaded once per
+machine into `$XDG_CACHE_HOME/multiwrite`, sha256-checked).
 """
 
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from multiwrite.sglang.upstream import MEMBERS, VERSION, SglangSourceError, locate_sources
 from multiwrite.sglang.upstream import WHEEL_ENV as WHEEL_ENV
+from multiwrite.sglang.upstream import decode_batch as decode_batch
 from tests import wheels
 
 
@@ -36,53 +33,6 @@ def extract(wheel: Path, dest: Path) -> Path:
             os.environ.pop(WHEEL_ENV, None)
         else:
             os.environ[WHEEL_ENV] = old
-
-
-class Allocator:
-    """The stand-in KV-slot allocator of SGLang's decode allocation: hands out the `slots` it is given and records
-    what it was asked (`asked`: (method, args)); `freed` collects what was given back."""
-
-    def __init__(self, slots: torch.Tensor, page_size: int) -> None:
-        self.slots, self.page_size = slots, page_size
-        self.asked: list[tuple[str, tuple]] = []
-        self.freed: list[torch.Tensor] = []
-
-    def alloc(self, num_tokens: int) -> torch.Tensor:
-        self.asked.append(("alloc", (num_tokens,)))
-        return self.slots[:num_tokens]
-
-    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor:
-        self.asked.append(("alloc_decode", (seq_lens.clone(), seq_lens_cpu.clone(), last_loc.clone())))
-        return self.slots[: seq_lens.shape[0]]
-
-    def free(self, slots: torch.Tensor) -> None:
-        self.freed.append(slots)
-
-
-def decode_batch(pool: Any, rows: list[int], seq_lens: list[int], slots: torch.Tensor, page_size: int = 1,
-                 encoder_lens: list[int] | None = None) -> types.SimpleNamespace:  # fmt: skip
-    """A stand-in for SGLang's `ScheduleBatch` with what its decode allocation reads: the pool, the requests' rows
-    and lengths (device and CPU), a tree cache with `page_size` over an `Allocator` of `slots`, a model config
-    (encoder-decoder when `encoder_lens` is given), and per-request KV counters."""
-    device = pool.req_to_token.device
-    allocator = Allocator(slots, page_size)
-    evicted: list[bool] = []
-    return types.SimpleNamespace(
-        device=device,
-        req_to_token_pool=pool,
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
-        req_pool_indices_cpu=torch.tensor(rows, dtype=torch.int64),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
-        encoder_lens=None if encoder_lens is None else torch.tensor(encoder_lens, dtype=torch.int64, device=device),
-        model_config=types.SimpleNamespace(is_encoder_decoder=encoder_lens is not None),
-        tree_cache=types.SimpleNamespace(page_size=page_size, token_to_kv_pool_allocator=allocator,
-                                         pretty_print=lambda: None),  # fmt: skip
-        reqs=[types.SimpleNamespace(kv=types.SimpleNamespace(kv_allocated_len=n, kv_committed_len=n))
-              for n in seq_lens],  # fmt: skip
-        maybe_evict_swa=lambda: evicted.append(True),
-        evicted=evicted,
-    )
 
 
 USAGE = f"""usage: python -m tests.sglang.oracle fetch DEST.whl      SGLang {VERSION}'s wheel at DEST.whl unless
