@@ -198,8 +198,10 @@ def alloc_for_decode(batch: Any, token_per_req: int) -> Any:
     `multiwrite.sglang.write_decode` (one launch, no int32 copy of `out_cache_loc`, no copy of `seq_lens`): SWA
     eviction, SGLang's own slot allocation (paged: after reading each request's last slot, which the allocator
     needs before it runs, so that read cannot join the write's launch), the write at `seq_lens` (plus
-    `encoder_lens` for an encoder-decoder), SGLang's auxiliary lengths (freeing the slots if that fails) and the
-    requests' KV counters. Returns `out_cache_loc`. Registered for `cuda` only, so SGLang's NPU hook never applies.
+    `encoder_lens` for an encoder-decoder; checked on the host against `req_pool_indices_cpu` and `seq_lens_cpu`
+    except for an encoder-decoder, whose bad writes are skipped on the device), SGLang's auxiliary lengths (freeing
+    the slots if that fails) and the requests' KV counters. Returns `out_cache_loc`. Registered for `cuda` only,
+    so SGLang's NPU hook never applies.
     """
     from multiwrite.sglang.writes import write_decode
 
@@ -221,7 +223,11 @@ def alloc_for_decode(batch: Any, token_per_req: int) -> Any:
             batch=batch,
         )
     locs = batch.encoder_lens + seq_lens if batch.model_config.is_encoder_decoder else seq_lens
-    write_decode(batch.req_to_token_pool, batch.req_pool_indices, locs, out_cache_loc)
+    # SGLang keeps the CPU copies equal to the device tensors (its auxiliary lengths below are computed from them):
+    # with them every write is checked on the host, without a synchronization.
+    host = {} if batch.model_config.is_encoder_decoder else dict(
+        req_pool_indices_cpu=batch.req_pool_indices_cpu, locs_cpu=batch.seq_lens_cpu)
+    write_decode(batch.req_to_token_pool, batch.req_pool_indices, locs, out_cache_loc, **host)
     try:
         batch.req_to_token_pool.alloc_aux_to_lengths(
             req_pool_indices_cpu=batch.req_pool_indices_cpu, target_seq_lens_cpu=batch.seq_lens_cpu + token_per_req

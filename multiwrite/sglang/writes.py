@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from multiwrite.device_writes import DeviceWrites, HostCopies, apply_device_writes
+from multiwrite.device_writes import DeviceWriteFaults, DeviceWrites, HostCopies, apply_device_writes
 from multiwrite.errors import StagedWriteError
 
 __all__ = ["SglangWriteError", "write_cache_indices", "write_decode"]
@@ -24,8 +24,9 @@ class SglangWriteError(StagedWriteError):
     (its index in the batch) and its row, and what is wrong. Nothing was written."""
 
 
-#: Per (device, value): a read-only buffer of that int64 constant, sliced for the starts (0) of the prefix writes and
-#: the lengths (1) of the decode writes, so that neither costs a launch of its own. Grown by doubling.
+#: Per (device, value): a read-only int64 buffer of that constant, sliced for the starts (0) of the prefix writes and
+#: the lengths (1) of the decode writes, so that neither costs a launch of its own; value -1: an empty int64 tensor
+#: (the source of an empty prefix SGLang passes on the CPU). Grown by doubling.
 _constants: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -87,8 +88,8 @@ def write_cache_indices(
         SglangWriteError: naming the request and its row, nothing written: `seq_lens != prefix_lens +
             extend_lens`; a prefix tensor that is not `prefix_lens[i]` contiguous int64 ids on the pool's device;
             a row that appears twice; a row outside the pool, a negative length or a write past the row
-            (`apply_device_writes`' check, its message quoted: its set 0 is the prefixes, set 1 the extends, write
-            i request i); fewer `out_cache_loc` than the extends take; arguments of the wrong shape.
+            (`apply_device_writes`' check, its message quoted: its set 0 is the prefixes, set 1 the extends);
+            fewer `out_cache_loc` than the extends take; arguments of the wrong shape, dtype or device.
     """
     table = req_to_token_pool.req_to_token
     device = table.device
@@ -106,14 +107,15 @@ def write_cache_indices(
         i = int(bad[0])
         raise SglangWriteError(f"{where}: {_request(i, rows)}: seq_len {int(seq[i])} != prefix_len {int(prefix[i])} "
                                f"+ extend_len {int(extend[i])}")  # fmt: skip
-    addresses = []
+    sources = list(prefix_tensors)
     for i, t in enumerate(prefix_tensors):
         k = t.numel()
         if k != prefix[i] or (k and (t.dtype != torch.int64 or t.device != device or (k > 1 and t.stride(-1) != 1))):
             got = f"{k} {t.dtype} ids on {t.device}" + ("" if k < 2 or t.stride(-1) == 1 else ", not contiguous")
             raise SglangWriteError(f"{where}: {_request(i, rows)}: prefix_tensors[{i}] holds {got}, expected "
                                    f"prefix_len {int(prefix[i])} contiguous int64 ids on {device}")  # fmt: skip
-        addresses.append(t.data_ptr())
+        if not k and (t.device != device or t.dtype != torch.int64 or t.dim() != 1):
+            sources[i] = _constant(device, -1, 0)  # (an empty prefix is read from nowhere)
     order = np.argsort(rows, kind="stable")
     twice = np.flatnonzero(rows[order][1:] == rows[order][:-1])
     if twice.size:
@@ -123,18 +125,18 @@ def write_cache_indices(
     needed = int(extend.sum()) if n else 0
     if needed > out_cache_loc.numel():
         raise SglangWriteError(f"{where}: the extends take {needed} slots, out_cache_loc holds {out_cache_loc.numel()}")
-    pinned = device.type == "cuda"
-    sources = torch.tensor(addresses, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
-    writes = [
-        DeviceWrites(req_pool_indices_tensor, _constant(device, 0, n), prefix_lens_tensor, sources=sources,
-                     source_dtype=torch.int64, host=HostCopies(rows, np.zeros(n, np.int64), prefix)),
-        DeviceWrites(req_pool_indices_tensor, prefix_lens_tensor, extend_lens_tensor, values=out_cache_loc,
-                     host=HostCopies(rows, prefix, extend)),
-    ]  # fmt: skip
+    if not n:
+        return
     try:
+        writes = [
+            DeviceWrites(req_pool_indices_tensor, _constant(device, 0, n), prefix_lens_tensor, sources=sources,
+                         source_dtype=torch.int64, host=HostCopies(rows, np.zeros(n, np.int64), prefix)),
+            DeviceWrites(req_pool_indices_tensor, prefix_lens_tensor, extend_lens_tensor, values=out_cache_loc,
+                         host=HostCopies(rows, prefix, extend)),
+        ]  # fmt: skip
         apply_device_writes(table, writes, backend=backend)
     except StagedWriteError as e:
-        raise _refused(f"{where} (set 0: the prefixes, set 1: the extends; write i: request i)", e) from e
+        raise _refused(f"{where} (set 0: the prefixes, set 1: the extends)", e) from e
 
 
 def write_decode(
@@ -146,18 +148,21 @@ def write_decode(
     req_pool_indices_cpu: torch.Tensor | None = None,
     locs_cpu: torch.Tensor | None = None,
     backend: str | None = None,
+    faults: DeviceWriteFaults | None = None,
 ) -> None:
     """`req_to_token_pool.req_to_token[req_pool_indices, locs] = out_cache_loc` as int32, in one launch: the write
     of SGLang's decode allocation (one slot per request; all three `[bs]` on the pool's device).
 
-    With `req_pool_indices_cpu` and `locs_cpu` (their CPU copies) every write is checked on the host; without
-    them `apply_device_writes` checks the device values as it documents for writes without host copies. A row
-    given twice takes the later request's slot.
+    With `req_pool_indices_cpu` and `locs_cpu` (their CPU copies, equal to the device tensors) every write is
+    checked on the host first; without them a bad write is skipped on the device and written nowhere, as
+    `apply_device_writes` does for writes without host copies (its `faults=` record counts them; no error is
+    raised; pass `faults` to have them recorded). A row given twice takes the later request's slot. `backend`
+    forces a multiwrite backend by name.
 
     Raises:
-        SglangWriteError: naming the request and its row, nothing written: a row outside the pool, a location
-            outside the row (`apply_device_writes`' check, its message quoted: write i is request i); shapes
-            that differ (SGLang's indexing refuses them too).
+        SglangWriteError: naming the request and its row, nothing written: with host copies, a row outside the
+            pool or a location outside the row (`apply_device_writes`' check, its message quoted); shapes that
+            differ (SGLang's indexing refuses them too).
     """
     table = req_to_token_pool.req_to_token
     n = req_pool_indices.numel()
@@ -170,9 +175,11 @@ def write_decode(
         raise SglangWriteError(f"{where}: give both req_pool_indices_cpu and locs_cpu, or neither")
     if req_pool_indices_cpu is not None and locs_cpu is not None:
         host = HostCopies(req_pool_indices_cpu, locs_cpu, np.ones(n, np.int64))
-    ones = _constant(table.device, 1, n)
+    if not n:
+        return
     try:
-        apply_device_writes(table, [DeviceWrites(req_pool_indices, locs, ones, values=out_cache_loc, host=host)],
-                            backend=backend)  # fmt: skip
+        write = DeviceWrites(req_pool_indices, locs, _constant(table.device, 1, n), values=out_cache_loc, host=host,
+                             max_length=1)  # fmt: skip
+        apply_device_writes(table, [write], backend=backend, faults=faults)
     except StagedWriteError as e:
-        raise _refused(f"{where} (write i: request i)", e) from e
+        raise _refused(where, e) from e

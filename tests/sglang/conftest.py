@@ -19,6 +19,21 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+@pytest.fixture
+def backend(backend):
+    """The matrix's backend case (tests/conftest.py), skipped with the reason where the backend reads no
+    device-sourced writes of the kinds these writers give (flat values, per-row tensors)."""
+    from multiwrite.plugins.checked import device_write_reasons
+    from multiwrite.plugins.dispatch import available_backends
+
+    for status in available_backends(backend.device):
+        if status.name == backend.name and status.backend is not None:
+            reasons = device_write_reasons(status.backend, ("values", "tensors"))
+            if reasons:
+                pytest.skip(f"{backend.name}: {'; '.join(reasons)}")
+    return backend
+
+
 @pytest.fixture(scope="session")
 def upstream(tmp_path_factory: pytest.TempPathFactory) -> upstream_mod.Upstream:
     """SGLang 0.5.23's kernels, `allocation.py` and `ReqToTokenPool`, loaded from its files."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from multiwrite.errors import StagedWriteError
 from multiwrite.sglang import SglangWriteError, write_cache_indices, write_decode
 from multiwrite.sglang.install import alloc_for_decode
 from tests.sglang.batches import extend_batch, random_table, scenarios
@@ -237,18 +238,36 @@ def test_host_copies_of_the_wrong_shape_are_refused():
                             [torch.arange(1), torch.arange(2)], pool)  # fmt: skip
 
 
-@pytest.mark.parametrize("host_copies", [True, False])
-@pytest.mark.parametrize(("rows", "locs", "req", "row"), [([1, 4], [0, 0], 1, 4), ([2, 1], [3, 8], 1, 1),
-                                                              ([-1, 1], [0, 0], 0, -1), ([1, 2], [0, -1], 1, 2)])
-def test_a_bad_decode_write_is_refused_naming_the_request_and_row(rows, locs, req, row, host_copies, backend):
+BAD_DECODES = [([1, 4], [0, 0], 1, 4), ([2, 1], [3, 8], 1, 1), ([-1, 1], [0, 0], 0, -1), ([1, 2], [0, -1], 1, 2)]
+
+
+@pytest.mark.parametrize(("rows", "locs", "req", "row"), BAD_DECODES)
+def test_a_bad_decode_write_is_refused_naming_the_request_and_row(rows, locs, req, row, backend):
     pool = _pool()
     before = pool.req_to_token.clone()
     r, c = torch.tensor(rows), torch.tensor(locs)
-    host = dict(req_pool_indices_cpu=r, locs_cpu=c) if host_copies else {}
     with pytest.raises(SglangWriteError) as info:
-        write_decode(pool, r, c, torch.tensor([5, 6]), backend=backend.name, **host)
+        write_decode(pool, r, c, torch.tensor([5, 6]), req_pool_indices_cpu=r, locs_cpu=c, backend=backend.name)
     assert str(info.value).startswith("write_decode") and _names(str(info.value), req, row), str(info.value)
     assert torch.equal(pool.req_to_token, before)
+
+
+@pytest.mark.parametrize(("rows", "locs", "req", "row"), BAD_DECODES)
+def test_without_host_copies_a_bad_decode_write_is_skipped_and_recorded(rows, locs, req, row, backend):
+    """The device cannot raise: the bad write lands nowhere, the good one lands, the record names the bad one."""
+    from multiwrite.device_writes import DeviceWriteFaults
+
+    pool = _pool()
+    expected = pool.req_to_token.clone()
+    good = 1 - req
+    expected[rows[good], locs[good]] = [5, 6][good]
+    faults = DeviceWriteFaults("cpu")
+    write_decode(pool, torch.tensor(rows), torch.tensor(locs), torch.tensor([5, 6]), backend=backend.name,
+                 faults=faults)  # fmt: skip
+    assert torch.equal(pool.req_to_token, expected)
+    with pytest.raises(StagedWriteError) as info:
+        faults.check()
+    assert _names(str(info.value), req, row), str(info.value)
 
 
 def test_decode_slots_that_do_not_match_the_requests_are_refused():
