@@ -121,6 +121,9 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="also time the whole block-table stage per decode step (G3: staging, apply, gather, slot mappings): "
         "prepare_inputs, our three calls and the anchor designs (GPU) next to an empty launch in the same loop",
     )
+    from multiwrite.cli.bench_sglang import add_sglang_options
+
+    add_sglang_options(p)
     add_device_options(p)
     p.add_argument(
         "--threads",
@@ -276,6 +279,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         UsageError: options that contradict each other. RefusedError: a run that cannot fit. TraceError,
         DeviceError, BackendUnavailableError: bad trace, device or backend. All before measuring.
     """
+    if args.sglang:
+        from multiwrite.cli.bench_sglang import cmd_bench_sglang
+
+        return cmd_bench_sglang(args)
     import torch
 
     from multiwrite.environment import resolve_device

@@ -20,7 +20,6 @@ import contextlib
 import importlib.util
 import os
 import sys
-import tempfile
 import types
 import zipfile
 from collections.abc import Iterator
@@ -291,22 +290,3 @@ def decode_batch(pool: Any, rows: list[int], seq_lens: list[int], slots: Any, pa
         maybe_evict_swa=lambda: evicted.append(True),
         evicted=evicted,
     )
-
-
-def load_for_bench() -> Upstream:
-    """SGLang's writers for the bench: an installed SGLang's own modules where it imports (with its own settings:
-    `settings` then does nothing), else the located files' (`locate_sources`), active for the rest of the process.
-
-    Raises:
-        SglangSourceError: neither SGLang nor its files are available (the message says how to provide them).
-    """
-    try:
-        allocation = importlib.import_module(ALLOCATION)
-        kernels = importlib.import_module(KERNELS)
-        pool = importlib.import_module("sglang.srt.mem_cache.memory_pool").ReqToTokenPool
-        return Upstream(allocation, kernels, pool, Path(allocation.__file__ or "."), Settings())
-    except ImportError:
-        pass
-    upstream = load_upstream(locate_sources(Path(tempfile.mkdtemp(prefix="multiwrite-sglang-"))))
-    sys.modules.update(upstream.modules)
-    return upstream
