@@ -282,7 +282,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.sglang:
         from multiwrite.cli.bench_sglang import cmd_bench_sglang
 
-        return cmd_bench_sglang(args)
+        return cmd_bench_sglang(args, output_path_problem, plot_format_problem)
     import torch
 
     from multiwrite.environment import resolve_device

@@ -7,6 +7,7 @@ Imports only argparse and `multiwrite.cli.args` at the top, as `multiwrite.cli.b
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from datetime import datetime
 
 from multiwrite.cli.args import RefusedError, UsageError, int_list, progress_bar, show_progress
@@ -29,8 +30,10 @@ def add_sglang_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sglang-bs", type=int_list, help="batch sizes of --sglang (1,32,256,1024; --quick: 1,32)")
 
 
-def cmd_bench_sglang(args: argparse.Namespace) -> int:
-    """Run `bench --sglang`; returns 0 when every table matched and every goal judged was met, else 1.
+def cmd_bench_sglang(args: argparse.Namespace, output_path_problem: Callable[[str, str], str | None],
+                     plot_format_problem: Callable[[str], str | None]) -> int:  # fmt: skip
+    """Run `bench --sglang`; returns 0 when every table matched and every goal judged was met, else 1. The two
+    checks of output paths are `multiwrite.cli.bench`'s (passed in: that module imports this one).
 
     Raises:
         UsageError: no step to measure. RefusedError: SGLang's files not found, an output path that cannot be
@@ -39,7 +42,6 @@ def cmd_bench_sglang(args: argparse.Namespace) -> int:
     import torch
 
     from multiwrite.bench.sglang import BATCH_SIZES, measure_sglang, sglang_source, terminal_report, write_csv
-    from multiwrite.cli.bench import output_path_problem, plot_format_problem
     from multiwrite.environment import environment, resolve_device
     from multiwrite.sglang.upstream import SglangSourceError
     from multiwrite.workload import load_trace

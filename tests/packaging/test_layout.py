@@ -8,7 +8,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 #: What the tests root itself may hold besides the rooms.
-ROOT_FILES = {"__init__.py", "conftest.py", "support.py"}
+ROOT_FILES = {"__init__.py", "conftest.py", "support.py", "wheels.py"}  # wheels.py: tests/vllm and tests/sglang
 #: Directories of the tests root that are no rooms: they hold no Python.
 NOT_ROOMS = {"data", "__pycache__"}
 #: Words that tell the history of a test instead of what it checks.
