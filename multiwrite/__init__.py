@@ -14,6 +14,13 @@ from typing import TYPE_CHECKING, Any
 from multiwrite.version import __version__
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve lazily (`__getattr__`)
+    from multiwrite.device_writes import (
+        DeviceWriteFaults,
+        DeviceWrites,
+        HostCopies,
+        addresses_of,
+        apply_device_writes,
+    )
     from multiwrite.errors import (
         BackendError,
         BackendUnavailableError,
@@ -60,6 +67,11 @@ _LAZY = {
     "StagedWriteTensor": "multiwrite.staging.table",
     "FusedStagedWriter": "multiwrite.writer",
     "apply_writes": "multiwrite.writer",
+    "DeviceWrites": "multiwrite.device_writes",
+    "DeviceWriteFaults": "multiwrite.device_writes",
+    "HostCopies": "multiwrite.device_writes",
+    "addresses_of": "multiwrite.device_writes",
+    "apply_device_writes": "multiwrite.device_writes",
 }
 
 
@@ -83,11 +95,14 @@ __all__ = [
     "BackendUnavailableError",
     "BlockTableWriteError",
     "BlockTables",
+    "DeviceWriteFaults",
+    "DeviceWrites",
     "ForkedCudaError",
     "FusedStagedWriter",
     "GraphCaptureError",
     "GraphPlan",
     "GraphProtocolError",
+    "HostCopies",
     "RingStallError",
     "RingWaitWarning",
     "StageInputError",
@@ -96,6 +111,8 @@ __all__ = [
     "TablesPlan",
     "WriteBatch",
     "__version__",
+    "addresses_of",
+    "apply_device_writes",
     "apply_writes",
     "available_backends",
     "get_plugin_manager",

@@ -364,3 +364,63 @@ def compute_slot_mappings_reference(
                     j = (chunk // cp_size) * cp_interleave + p % cp_interleave
                 out[g, i] = int(table[req, j // kbs]) * kbs + j % kbs
     return out
+
+
+def _elements_at(address: int, count: int, dtype: np.dtype) -> list:
+    """`count` elements of `dtype` read from host memory at `address` (an address source of a CPU table)."""
+    import ctypes
+
+    if count <= 0:
+        return []
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
+    return np.frombuffer(bytes(raw), dtype=dtype).tolist()
+
+
+def apply_device_writes_reference(table: np.ndarray, writes: Sequence[Any], skipped: list | None = None) -> np.ndarray:
+    """Device-sourced writes (`multiwrite.device_writes.DeviceWrites`, read through their fields) into the 2-D numpy
+    `table`, in place, one cell at a time: sets in order, writes in index order (the later wins). Write `i` of a set
+    sets `table[rows[i], starts[i] + c] = src[c]` for `c < lengths[i]`, `src` being `values[o_i:]` with
+    `o_i = sum(max(lengths[j], 0) for j < i)`, or per row source `i` (its tensor; an address is read from host
+    memory, so address sources work for CPU tables only); each value cast to the table's dtype as numpy's `astype`
+    (integers wrap, floats truncate toward zero). A bad write (row outside the table, negative start or length, past
+    its row, past its values or source tensor): in a set with host copies, `StagedWriteError` naming the set,
+    request, row, start, length and shape, raised before any cell is written; in a set without, skipped whole, its
+    `(set, request)` appended to `skipped`. Returns `table`.
+    """
+    rows, cols = table.shape
+    plan = []
+    for s, w in enumerate(writes):
+        r, st, ln = (getattr(w, f).cpu().tolist() for f in ("rows", "starts", "lengths"))
+        values = None if w.values is None else w.values.cpu().tolist()
+        offset = 0
+        for i in range(len(r)):
+            if w.values is not None:
+                room = len(values) - offset
+            elif isinstance(w.sources, (list, tuple)):
+                room = int(w.sources[i].numel())
+            else:
+                room = ln[i]  # an address: nothing tells how far it reaches
+            bad = not 0 <= r[i] < rows or st[i] < 0 or ln[i] < 0 or st[i] + ln[i] > cols or ln[i] > room
+            if bad and w.host is not None:
+                raise StagedWriteError(
+                    f"device writes set {s}, request {i}: row {r[i]}, start {st[i]}, length {ln[i]} does not fit the "
+                    f"table of shape ({rows}, {cols}) or its values; nothing was written"
+                )
+            if bad:
+                if skipped is not None:
+                    skipped.append((s, i))
+            else:
+                plan.append((w, i, r[i], st[i], ln[i], offset))
+            offset += max(ln[i], 0)
+    for w, i, row, start, length, offset in plan:
+        if w.values is not None:
+            src = np.asarray(w.values[offset : offset + length].cpu().numpy())
+        elif isinstance(w.sources, (list, tuple)):
+            src = w.sources[i][:length].cpu().numpy()
+        else:
+            np_dtype = np.dtype(str(w.source_dtype).removeprefix("torch."))
+            src = np.asarray(_elements_at(int(w.sources[i]), length, np_dtype), dtype=np_dtype)
+        cast = src.astype(table.dtype)
+        for c in range(length):
+            table[row, start + c] = cast[c]
+    return table

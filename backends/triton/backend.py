@@ -29,6 +29,7 @@ from multiwrite.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from multiwrite.backends.triton.device import LaunchParams, TritonDevice
+    from multiwrite.backends.triton.device_writes import DeviceWritesRunner
     from multiwrite.backends.triton.plan import TritonPlan
     from multiwrite.stage.layout import TablesLayout
     from multiwrite.staging.arena import StagingArena, StagingBuffers
@@ -110,11 +111,13 @@ class TritonBackend(Backend):
 
     PRIORITY = PRIORITY_BUILTIN_GPU
     SUPPORTED_DEVICE_TYPES = frozenset({"cuda"})
+    DEVICE_WRITE_SOURCES = frozenset({"values", "tensors", "addresses"})
 
     def __init__(self, ring_depth: int | None = None, launcher: str | None = None):
         self.ring_depth = ring_depth
         self.launcher = launcher
         self._devices: dict[torch.device, TritonDevice] = {}
+        self._device_writes: dict[torch.device, DeviceWritesRunner] = {}
         self._lock = threading.Lock()
 
     # -- what the two backends differ in ---------------------------------------------------------------------------
@@ -176,6 +179,23 @@ class TritonBackend(Backend):
         """One launch per batch on the current stream of the tables' device; see `Backend.apply`."""
         if batches:
             self.device_state(batches[0].tables[0].device).apply(batches, self.NAME)
+
+    def apply_device_writes(self, table, writes, *, ordered, faults) -> None:
+        """Every set in one launch of the device-writes kernel (`multiwrite/backends/triton/device_writes.py`), on the
+        current stream, no host synchronization; capturable in a CUDA graph. See `Backend.apply_device_writes`."""
+        self.device_writes_runner(table.device).apply(table, writes, ordered, faults)
+
+    def device_writes_runner(self, device: torch.device) -> DeviceWritesRunner:
+        """The `DeviceWritesRunner` (ring, scan states, launcher of device-sourced writes) of `device`."""
+        runner = self._device_writes.get(device)
+        if runner is None:
+            from multiwrite.backends.triton.device_writes import DeviceWritesRunner
+
+            state = self.device_state(device)
+            with self._lock:
+                runner = self._device_writes.get(device) or self._device_writes.setdefault(device,
+                                                                                            DeviceWritesRunner(state))
+        return runner
 
     def plan(self, layout: TablesLayout, arena: StagingArena) -> TritonPlan:
         """Every job of a `BlockTables` in one launch (`multiwrite/backends/triton/plan.py`)."""

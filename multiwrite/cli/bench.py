@@ -140,6 +140,9 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         "groups: G1-G4, G11, G20; G11 and G20 mix full-attention, sliding-window and mamba-like groups of "
         "illustrative shapes); reports each design per group count and the change from the fewest to the most (3)",
     )
+    from multiwrite.cli.bench_sglang import add_sglang_options
+
+    add_sglang_options(p)
     add_device_options(p)
     p.add_argument(
         "--threads",
@@ -297,6 +300,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         UsageError: options that contradict each other. RefusedError: a run that cannot fit. TraceError,
         DeviceError, BackendUnavailableError: bad trace, device or backend. All before measuring.
     """
+    if args.sglang:
+        from multiwrite.cli.bench_sglang import cmd_bench_sglang
+
+        return cmd_bench_sglang(args, output_path_problem, plot_format_problem)
     import torch
 
     from multiwrite.environment import resolve_device

@@ -27,6 +27,7 @@ from multiwrite.staging.layout import (
 )
 
 if TYPE_CHECKING:
+    from multiwrite.device_writes import DeviceWrites
     from multiwrite.stage.layout import TablesLayout
     from multiwrite.stage.step import StepInputs
     from multiwrite.staging.headers import HeaderRing
@@ -148,13 +149,17 @@ class Backend:
     Required: `apply`. Optional capabilities, each with a default that is correct for any backend: `priority`,
     `not_supported_reasons` (call `super()`), `staging_buffers` (memory the kernels read in place), `plan` (how a
     `BlockTables` runs its jobs: the default applies through `apply` and gathers with torch ops), `graph_plan`
-    (graph mode: the default, None, has none).
+    (graph mode: the default, None, has none), `apply_device_writes` with `DEVICE_WRITE_SOURCES` (device-sourced
+    writes, `multiwrite.device_writes`: the default declares none).
     """
 
     NAME: ClassVar[str] = ""
     PRIORITY: ClassVar[int] = 0
     SUPPORTED_DEVICE_TYPES: ClassVar[frozenset[str]] = frozenset()
     SUPPORTED_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset(SUPPORTED_DTYPES)
+    #: The source kinds `apply_device_writes` reads (`DEVICE_WRITE_KINDS`): "values" (one flat tensor), "tensors"
+    #: (per-row tensors given in Python), "addresses" (per-row device addresses only). Empty: no device writes.
+    DEVICE_WRITE_SOURCES: ClassVar[frozenset[str]] = frozenset()
 
     def priority(self, device: torch.device) -> int:
         """Priority of this backend for `device`; `PRIORITY` unless a subclass knows better."""
@@ -211,6 +216,21 @@ class Backend:
         CUDA graph and replayed (docs/graph-mode.md), or None (the default: no graph mode; such tables are refused
         at construction)."""
         return None
+
+    def apply_device_writes(
+        self, table: torch.Tensor, writes: Sequence[DeviceWrites], *, ordered: bool, faults: torch.Tensor | None
+    ) -> None:
+        """Apply device-sourced writes (`multiwrite.device_writes.DeviceWrites`, every kind of source in
+        `DEVICE_WRITE_SOURCES`) to the 2-D `table`, on the current stream, without a host synchronization where the
+        backend can (docs/device-writes.md).
+
+        The caller has checked the structure of every set and, for sets with host copies, every write. `ordered`:
+        writes may overlap, and sets in order, writes in index order, the later must win; false guarantees that no
+        two writes touch one cell. A write that is bad on the device (row outside the table, start < 0, length < 0,
+        past its row, past its values) is skipped whole, never clipped, and counted into `faults` (int64 [8] on the
+        table's device, `DeviceWriteFaults` layout) when given. The default declares no support.
+        """
+        raise NotImplementedError(f"backend {self.NAME!r} does not apply device-sourced writes")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.NAME!r}>"

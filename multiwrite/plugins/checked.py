@@ -223,3 +223,33 @@ def lender(backend: Backend, device: torch.device, np_dtype: type[np.generic]) -
         raise broken(backend, f"staging_buffers({device}, {np.dtype(np_dtype).name}) returned {shown(value)}, not "
                                "a StagingBuffers or None")  # fmt: skip
     return value
+
+
+#: The source kinds of device-sourced writes (`Backend.DEVICE_WRITE_SOURCES`, docs/device-writes.md).
+DEVICE_WRITE_KINDS = frozenset({"values", "tensors", "addresses"})
+
+
+def device_write_sources(backend: Backend) -> frozenset[str]:
+    """`backend.DEVICE_WRITE_SOURCES`, checked to be a set (or list/tuple) of `DEVICE_WRITE_KINDS`.
+
+    Raises:
+        BackendContractError: anything else, or an attribute that raises when read; the backend is set aside.
+    """
+    _refuse_set_aside(backend)
+    kinds = _read(backend, "DEVICE_WRITE_SOURCES")
+    bad = _first_bad(kinds, lambda k: k in DEVICE_WRITE_KINDS)
+    if bad is not None:
+        raise broken(backend, f"DEVICE_WRITE_SOURCES={shown(kinds)}{bad} (allowed: a frozenset of "
+                               f"{', '.join(sorted(DEVICE_WRITE_KINDS))})")  # fmt: skip
+    return frozenset(kinds)
+
+
+def device_write_reasons(backend: Backend, needed: Iterable[str]) -> list[str]:
+    """Why `backend` cannot apply device-sourced writes of the source kinds `needed`: one reason naming the kinds it
+    lacks, or none (`device_write_sources` checks its declaration)."""
+    declared = device_write_sources(backend)
+    missing = sorted(set(needed) - declared)
+    if not missing:
+        return []
+    have = ", ".join(sorted(declared)) or "none"
+    return [f"device-sourced writes from {', '.join(missing)} (DEVICE_WRITE_SOURCES: {have})"]

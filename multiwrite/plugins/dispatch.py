@@ -361,8 +361,10 @@ def _resolve_names(entries: list[_Entry]) -> tuple[dict[str, _Entry], dict[str, 
     return owners, ambiguous
 
 
-def _device_status(e: _Entry, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> BackendStatus:
-    """The status of the owner of a name for `device`: its reasons and priority there, each read and checked once."""
+def _device_status(e: _Entry, device: torch.device, dtypes: tuple[torch.dtype, ...],
+                   device_writes: frozenset[str] = frozenset()) -> BackendStatus:  # fmt: skip
+    """The status of the owner of a name for `device`: its reasons and priority there, each read and checked once
+    (and, when `device_writes` names source kinds, its `DEVICE_WRITE_SOURCES`)."""
     b = e.backend
     where = _where(e.plugin, e.distribution, e.version)
     _running.what = f"{checked.describe(b)} of {where}"
@@ -370,6 +372,8 @@ def _device_status(e: _Entry, device: torch.device, dtypes: tuple[torch.dtype, .
         try:
             if method == "not_supported_reasons":
                 reasons = checked.device_reasons(b, device, dtypes)
+                if device_writes:
+                    reasons += checked.device_write_reasons(b, device_writes)
             else:
                 prio = checked.device_priority(b, device)
         except BackendContractError as exc:
@@ -384,7 +388,7 @@ def _device_status(e: _Entry, device: torch.device, dtypes: tuple[torch.dtype, .
 
 
 def _statuses(
-    device: torch.device, dtypes: tuple[torch.dtype, ...], api: str
+    device: torch.device, dtypes: tuple[torch.dtype, ...], api: str, device_writes: frozenset[str] = frozenset()
 ) -> tuple[list[BackendStatus], dict[str, list[_Entry]]]:
     _get_host()  # first: a plugin may call back into the host while it is imported (it gets the host being built)
     running = getattr(_running, "what", None)
@@ -400,7 +404,7 @@ def _statuses(
         for e in entries:
             owner = owners[e.name]
             if owner is e:
-                out.append(_device_status(e, device, dtypes))
+                out.append(_device_status(e, device, dtypes, device_writes))
                 continue
             taken_by = _qualname(owner.backend)
             reason = f"backend name {e.name!r} is already taken by {taken_by}"
@@ -416,7 +420,7 @@ def _statuses(
 
 
 def available_backends(
-    device: torch.device | str | None = None, dtypes: Iterable[torch.dtype] = ()
+    device: torch.device | str | None = None, dtypes: Iterable[torch.dtype] = (), *, device_writes: Iterable[str] = ()
 ) -> list[BackendStatus]:
     """Every registered backend with the reasons it cannot run on `device` (empty: it can).
 
@@ -427,9 +431,11 @@ def available_backends(
     built-in keeps its name; among third-party backends of one name the highest `PRIORITY` keeps it
     (then distribution name, then `module.Class`); any other is listed as unavailable, with `taken_by`
     set and the reason "backend name 'X' is already taken by module.Class". A collision warns once
-    (`BackendNameCollisionWarning`) naming both distributions.
+    (`BackendNameCollisionWarning`) naming both distributions. `device_writes`: source kinds of device-sourced
+    writes (`Backend.DEVICE_WRITE_SOURCES`) each backend must read, or it is unavailable with that reason.
     """
-    return _statuses(resolve_device(device), tuple(dtypes), "available_backends()")[0]
+    kinds = frozenset(device_writes)
+    return _statuses(resolve_device(device), tuple(dtypes), "available_backends()", kinds)[0]
 
 
 def _listing(statuses: list[BackendStatus]) -> str:
@@ -440,6 +446,8 @@ def select_backend(
     device: torch.device | str | None = None,
     name: str | None = None,
     dtypes: Iterable[torch.dtype] = (),
+    *,
+    device_writes: Iterable[str] = (),
 ) -> Backend:
     """The backend that applies writes to tables of `dtypes` on `device`.
 
@@ -447,6 +455,7 @@ def select_backend(
         device: the tables' device (default CPU).
         name: force this backend; if None, `$MULTIWRITE_BACKEND` forces one when set and non-empty.
         dtypes: the table dtypes it must support.
+        device_writes: the source kinds of device-sourced writes it must read (`Backend.DEVICE_WRITE_SOURCES`).
 
     With nothing forced, the first backend of `available_backends` that can run wins (highest priority,
     then name, then distribution). A name always means the backend that owns it (see
@@ -460,8 +469,10 @@ def select_backend(
     device = resolve_device(device)
     dtypes = tuple(dtypes)
     forced = name or os.environ.get(BACKEND_ENV) or None
-    statuses, ambiguous = _statuses(device, dtypes, "select_backend()")
+    statuses, ambiguous = _statuses(device, dtypes, "select_backend()", frozenset(device_writes))
     what = f"device={device}" + (f", dtypes={[str(d).removeprefix('torch.') for d in dtypes]}" if dtypes else "")
+    if device_writes:
+        what += f", device writes from {', '.join(sorted(set(device_writes)))}"
     if forced:
         source = "backend=" if name else f"${BACKEND_ENV}="
         if forced in ambiguous:

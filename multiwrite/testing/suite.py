@@ -324,3 +324,37 @@ def test_the_block_table_stage_matches_the_reference(kit, multiwrite_staging, in
         for g in range(len(bs)):
             np.testing.assert_array_equal(kit.host(again[g]), want[g], err_msg=f"group {g} gather_block_tables")
         np.testing.assert_array_equal(kit.host(slots_again), want_slots, err_msg="compute_slot_mappings")
+
+
+@pytest.mark.parametrize("kind", ["values", "tensors", "addresses"])
+def test_device_sourced_writes_match_the_reference(kit, kind):
+    """The optional capability `Backend.apply_device_writes` for each source kind in `DEVICE_WRITE_SOURCES` (skipped
+    for the others): two sets per call, with and without host copies, disjoint and overlapping (the later wins),
+    empty writes and full rows, equal to `multiwrite.reference.apply_device_writes_reference`; a bad write with host
+    copies refused before anything is written, one without skipped whole and counted in the fault record."""
+    from multiwrite import DeviceWriteFaults, DeviceWrites, HostCopies, apply_device_writes, select_backend
+    from multiwrite.testing.device_writes import draw_sets
+
+    if kind not in select_backend(kit.device, kit.backend).DEVICE_WRITE_SOURCES:
+        pytest.skip(f"{kit.backend} does not declare device-sourced writes from {kind}")
+    rng = np.random.default_rng(len(kind))
+    for bs, host, overlap in ((1, True, False), (40, False, False), (25, False, True), (130, True, False)):
+        table = kit.tensor((bs + 1, 24), torch.int32)
+        drawn = draw_sets(rng, (bs + 1, 24), kit.device, bs=bs, kind=kind, host=host, overlap=overlap, sets=2)
+        expected = drawn.reference(table)
+        apply_device_writes(table, drawn.sets, backend=kit.backend)
+        np.testing.assert_array_equal(kit.host(table), expected, err_msg=f"bs {bs}, host {host}, overlap {overlap}")
+    dev = kit.device
+    table = kit.tensor((3, 4), torch.int32)
+    r, s, n = [0, 1, 2], [0, 3, 0], [2, 2, 1]  # write 1 runs past its row
+    bad = [torch.tensor(x, device=dev) for x in (r, s, n)]
+    with pytest.raises(StagedWriteError, match="request 1"):
+        apply_device_writes(table, DeviceWrites(*bad, values=torch.arange(1, 6, dtype=torch.int32, device=dev),
+                                                host=HostCopies(r, s, n)), backend=kit.backend)  # fmt: skip
+    assert not kit.host(table).any(), "a refused call wrote cells"
+    faults = DeviceWriteFaults(dev)
+    apply_device_writes(table, DeviceWrites(*bad, values=torch.arange(1, 6, dtype=torch.int32, device=dev)),
+                        backend=kit.backend, faults=faults)  # fmt: skip
+    assert kit.host(table).tolist() == [[1, 2, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]], "a bad write was not skipped whole"
+    with pytest.raises(StagedWriteError, match="1 bad write"):
+        faults.check()

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from multiwrite.env_switch import OFF as OFF
+from multiwrite.env_switch import ON as ON
+from multiwrite.env_switch import env_switch
+
 ENV = "MULTIWRITE_VLLM"
-#: The values of `MULTIWRITE_VLLM` (compared case-insensitively, surrounding blanks ignored).
-ON = ("1", "true", "yes", "on")
-OFF = ("0", "false", "no", "off", "")
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -22,16 +23,8 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     Raises:
         ValueError: a value that is neither on (`ON`) nor off (`OFF`), named in the message with the accepted words.
     """
-    raw = environ.get(ENV)
-    value = "" if raw is None else raw.strip().lower()
-    if value in ON:
-        return True
-    if value in OFF:
-        return False
-    raise ValueError(
-        f"{ENV}={raw!r} is neither on ({', '.join(ON)}) nor off ({', '.join(OFF[:-1])} or empty), case-insensitive; "
-        "multiwrite.vllm stops vLLM's start-up rather than guess whether to replace its BlockTables"
-    )
+    return env_switch(environ, ENV, "multiwrite.vllm stops vLLM's start-up rather than guess whether to replace its "
+                      "BlockTables")  # fmt: skip
 
 
 def register() -> None:

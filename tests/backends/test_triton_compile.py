@@ -47,6 +47,8 @@ STAGE = [
 #: consume kernel variants: (name, DEPTH, NT, LAUNCH_DEPENDENTS): three groups and the default ring, a deep ring of
 #: eight tables, and the variant whose captured stage launch is its programmatic dependent launch
 CONSUME = [("g3", 8, 4, False), ("deep", 16, 8, False), ("g3-pdl", 8, 4, True)]
+#: device-writes kernel variants: (table dtype, tile) as `DeviceWritesRunner` launches them
+DEVICE_WRITES = [("int32", "short"), ("int32", "long"), ("int32", "ordered"), ("int64", "long"), ("float32", "long")]
 
 
 def cases() -> list[tuple[str, str, str]]:
@@ -56,6 +58,7 @@ def cases() -> list[tuple[str, str, str]]:
         out += [("apply", f"{d}-{tile}", target) for d in DTYPES for tile in ("main", "decode")]
         out += [("stage", v[0], target) for v in STAGE if not v[-1] or target in PDL_TARGETS]
         out += [("consume", v[0], target) for v in CONSUME if not v[-1] or target in PDL_TARGETS]
+        out += [("device_writes", f"{d}-{tile}", target) for d, tile in DEVICE_WRITES]
     return out
 
 
@@ -80,11 +83,12 @@ def _params(target: str):
 
 
 def _kernel(kernel: str):
-    from multiwrite.backends.triton.kernels import apply, consume, stage
+    from multiwrite.backends.triton.kernels import apply, consume, device_writes, stage
     from multiwrite.backends.triton.kernels.common import compilable
 
     mod, fn = {"apply": (apply, apply.apply_kernel_fn), "stage": (stage, stage.stage_kernel_fn),
-               "consume": (consume, consume.consume_kernel_fn)}[kernel]  # fmt: skip
+               "consume": (consume, consume.consume_kernel_fn),
+               "device_writes": (device_writes, device_writes.device_writes_kernel_fn)}[kernel]  # fmt: skip
     return mod, compilable(fn, mod.DO_NOT_SPECIALIZE)
 
 
@@ -99,6 +103,12 @@ def _constants(kernel: str, variant: str, target: str) -> tuple[dict, int]:
         decode = tile == "decode"
         bw, bl = (params.decode_block_w, params.decode_block_l) if decode else (params.block_w, params.block_l)
         return {"VALUE_DTYPE": getattr(tl, dtype), "BLOCK_W": bw, "BLOCK_L": bl}, params.num_warps
+    if kernel == "device_writes":
+        from multiwrite.backends.triton.device_writes import _TILES
+
+        dtype, tile = variant.split("-")
+        bw, bl = _TILES[tile]
+        return {"VALUE_DTYPE": getattr(tl, dtype), "BLOCK_W": bw, "BLOCK_L": bl, "ORDERED": tile == "ordered"}, 4
     if kernel == "stage":
         ((_, idx, qsl, pos, cp, interleave, padding, gather, slots, writes, window, pdl),) = (
             v for v in STAGE if v[0] == variant
@@ -172,7 +182,7 @@ def specialization_keys(kernel: str, target: str, specialize: bool) -> int:
     mod, fn = _kernel(kernel)
     if specialize:
         fn = triton.runtime.JITFunction(fn.fn)
-    variant = {"apply": "int32-main", "stage": "both-writes", "consume": "g3"}[kernel]
+    variant = {"apply": "int32-main", "stage": "both-writes", "consume": "g3", "device_writes": "int32-long"}[kernel]
     constexprs, warps = _constants(kernel, variant, target)
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget(*TARGETS[target])))
     values = [1, 16, 17, 32, 4104, (1 << 33) + 16, 3, 64 * 1024]
@@ -189,7 +199,7 @@ def _worker() -> None:
     todo = cases()
     with ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         compiled = dict(zip(("/".join(c) for c in todo), pool.map(compile_one, todo)))
-    keys = {f"{k}/{t}/{s}": specialization_keys(k, t, s) for k in ("apply", "stage", "consume")
+    keys = {f"{k}/{t}/{s}": specialization_keys(k, t, s) for k in ("apply", "stage", "consume", "device_writes")
             for t in ("sm_90", "gfx942") for s in (False, True)}  # fmt: skip
     print(json.dumps({"compiled": compiled, "keys": keys}))
 
@@ -221,7 +231,7 @@ def test_the_kernel_compiles_to_machine_code(worker, kernel, variant, target):
     assert bool(k["griddepcontrol"]) == pdl, f"griddepcontrol {k['griddepcontrol']} (PDL variant: {pdl})"
     if pdl:
         assert k["griddepcontrol"] == (["launch_dependents"] if kernel == "consume" else ["wait"])
-    if kernel == "apply" or variant.endswith("writes"):  # the completion counter of a launch's programs
+    if kernel in ("apply", "device_writes") or variant.endswith("writes"):  # the completion counter
         assert k["atomic"], "no atomic: the staging memory would never be handed back"
     if backend == "cuda":
         assert k["load"]
@@ -235,16 +245,17 @@ def test_the_kernel_compiles_to_machine_code(worker, kernel, variant, target):
 
 
 def test_no_per_launch_parameter_is_a_specialization_key(worker):
-    from multiwrite.backends.triton.kernels import apply, consume, stage
+    from multiwrite.backends.triton.kernels import apply, consume, device_writes, stage
 
     for mod, fn in ((apply, apply.apply_kernel_fn), (stage, stage.stage_kernel_fn),
-                    (consume, consume.consume_kernel_fn)):  # fmt: skip
+                    (consume, consume.consume_kernel_fn),
+                    (device_writes, device_writes.device_writes_kernel_fn)):  # fmt: skip
         import inspect
 
         params = inspect.signature(fn).parameters.values()
         runtime = [p.name for p in params if "constexpr" not in str(p.annotation)]
         assert list(mod.DO_NOT_SPECIALIZE) == runtime, f"{fn.__name__}: DO_NOT_SPECIALIZE is not its runtime parameters"
-    for kernel in ("apply", "stage", "consume"):
+    for kernel in ("apply", "stage", "consume", "device_writes"):
         for target in ("sm_90", "gfx942"):
             assert worker["keys"][f"{kernel}/{target}/False"] == 1, f"{kernel} on {target} recompiles per launch"
             assert worker["keys"][f"{kernel}/{target}/True"] > 3, "the check has no teeth"

@@ -206,7 +206,7 @@ FLOORS = [
     ("multiwrite.staging",),
     ("multiwrite.stage",),
     ("multiwrite.plugins",),
-    ("multiwrite.writer", "multiwrite.tables", "multiwrite.backends"),
+    ("multiwrite.writer", "multiwrite.tables", "multiwrite.backends", "multiwrite.device_writes"),
 ]
 
 

@@ -44,6 +44,7 @@ from multiwrite.vllm.upstream import OnceLogger as OnceLogger
 from multiwrite.vllm.upstream import VllmSourceError as VllmSourceError
 from multiwrite.vllm.upstream import configured as configured
 from multiwrite.vllm.upstream import load_modules, locate_sources, modules_in_place
+from tests.support import wheels
 
 
 @dataclass
@@ -154,82 +155,23 @@ VERSION = "0.33.0"
 WHEEL_NAME = f"vllm-{VERSION}.whl"
 
 
-def cache_dir() -> Path:
-    """Where the downloaded wheel is kept between runs and clones: `$XDG_CACHE_HOME/multiwrite`, by default
-    `~/.cache/multiwrite`."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multiwrite"
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+cache_dir = wheels.cache_dir
 
 
 def cached_wheel_problem(wheel: Path) -> str | None:
-    """Why the cached `wheel` cannot be used (None when it can): it must match the sha256 recorded beside it
-    (`<wheel>.sha256`, written when it was downloaded: a truncated or altered file fails) and hold the two files."""
-    import zipfile
-
-    record = wheel.with_name(wheel.name + ".sha256")
-    if not wheel.is_file() or not record.is_file():
-        return "not cached"
-    if _sha256(wheel) != record.read_text().strip():
-        return f"{wheel} does not match the sha256 in {record}"
-    try:
-        with zipfile.ZipFile(wheel) as whl:
-            missing = [m for m in MEMBERS.values() if m not in whl.namelist()]
-    except zipfile.BadZipFile as e:
-        return f"{wheel} is not a wheel ({e})"
-    return f"{wheel} holds no {', '.join(missing)}" if missing else None
+    """Why the cached `wheel` cannot be used (None when it can): `tests.support.wheels.cached_wheel_problem` with the two
+    files."""
+    return wheels.cached_wheel_problem(wheel, MEMBERS.values())
 
 
 def download_wheel(dest: Path) -> Path:
-    """Download vLLM 0.33.0's wheel (no dependencies) with pip to `dest`, with its sha256 beside it; the file
-    appears whole or not at all. Raises `subprocess.CalledProcessError` when pip fails (no network: a loud failure)."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", f"vllm=={VERSION}", "--no-deps", "--only-binary=:all:"]
-        subprocess.run([*cmd, "--dest", tmp], check=True)
-        (wheel,) = Path(tmp).glob(f"vllm-{VERSION}-*.whl")
-        record = Path(tmp) / "sha256"
-        record.write_text(_sha256(wheel) + "\n")
-        os.replace(wheel, dest)
-        shutil.move(str(record), dest.with_name(dest.name + ".sha256"))
-    return dest
+    """Download vLLM 0.33.0's wheel to `dest` (`tests.support.wheels.download_wheel`)."""
+    return wheels.download_wheel(dest, "vllm", VERSION)
 
 
 def fetch_wheel(dest: Path, cache: Path | None = None) -> Path:
-    """vLLM 0.33.0's wheel at `dest`: kept when `dest` is already there (a tox env's second run), else taken from the
-    cache (`cache_dir()` unless given) when it holds a good copy (`cached_wheel_problem`), else downloaded into the
-    cache first; `dest` is then a hard link to the cached file (a copy across file systems). Returns `dest`."""
-    import shutil
-
-    if dest.is_file():
-        return dest
-    cached = (cache or cache_dir()) / WHEEL_NAME
-    problem = cached_wheel_problem(cached)
-    if problem is not None:
-        if problem != "not cached":
-            print(f"tests.vllm.oracle: {problem}: downloading it again", file=sys.stderr)
-        download_wheel(cached)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_name(dest.name + ".partial")
-    partial.unlink(missing_ok=True)
-    try:
-        os.link(cached, partial)
-    except OSError:
-        shutil.copyfile(cached, partial)
-    os.replace(partial, dest)
-    return dest
+    """vLLM 0.33.0's wheel at `dest`, from the cache or downloaded once (`tests.support.wheels.fetch_wheel`)."""
+    return wheels.fetch_wheel(dest, "vllm", VERSION, MEMBERS.values(), cache)
 
 
 def extract(wheel: Path, dest: Path) -> Path:

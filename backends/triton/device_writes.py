@@ -1,0 +1,162 @@
+"""`DeviceWritesRunner`: the host side of device-sourced writes on the Triton backends, one per device: builds the
+set descriptors (and the address tables of per-row tensors), picks the launch's shape, and launches the kernel of
+`kernels/device_writes.py` once per call (docs/device-writes.md).
+
+Eager calls write the descriptors into a slot of a ring of pinned host memory the kernel reads in place
+(`SlotRing`, through `TritonDevice.launch_on`: the slot is handed out again only once the kernel's completion token
+is back), with the slot's own scan state on the device. A call made while the current stream captures a CUDA graph
+(or a `simulated_capture`) gets a pinned descriptor buffer and a scan state of its own that are never rewritten
+and kept for the process (the graph reads them at every replay); the replay reads the device inputs at their
+captured addresses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from multiwrite.backends.triton.device import TritonDevice
+from multiwrite.backends.triton.kernels import device_writes as kernel
+from multiwrite.backends.triton.launcher import Launcher
+from multiwrite.backends.triton.ring import SlotRing
+from multiwrite.capture import is_capturing, setup_calls
+from multiwrite.errors import StagedWriteError
+
+if TYPE_CHECKING:
+    from multiwrite.device_writes import DeviceWrites
+
+_SET_WORDS = kernel.SET_WORDS.value
+_STATE_WORDS = kernel.STATE_WORDS.value
+_DTYPE_CODE = {torch.int32: 0, torch.int64: 1, torch.float32: 2}
+#: (block_w, block_l) of the tiles: short writes (every length known to be at most 8), long writes, ordered.
+_TILES = {"short": (128, 8), "long": (16, 64), "ordered": (16, 32)}
+#: Values of one flat source the flag words can count (40 bits).
+MAX_VALUES = (1 << 40) - 1
+
+
+def _state(device: torch.device, capacity: int) -> torch.Tensor:
+    """A fresh scan state: ticket 0, finished 0, epoch 1, `capacity` zeroed flags."""
+    state = torch.zeros(_STATE_WORDS + max(capacity, 1), dtype=torch.int64, device=device)
+    state[2] = 1
+    return state
+
+
+class DeviceWritesRunner:
+    """Device-sourced writes of one `TritonDevice` (module docstring). Thread-safe: the ring is used under the
+    device's lock from taking a slot until the launch is issued."""
+
+    def __init__(self, device: TritonDevice):
+        self.device = device
+        with setup_calls(device.device):
+            self.ring = SlotRing(device, device.depth, np.int64, "device writes")
+            self.states = [_state(device.device, 64) for _ in range(device.depth)]
+            self.noop_state = _state(device.device, 1)
+            self.unread_faults = torch.zeros(8, dtype=torch.int64, device=device.device)  # faults nobody asked for
+        noop = self.noop_state.data_ptr()
+        self.launcher = Launcher(device, kernel.device_writes_kernel, 4,
+                                 lambda done, counter, token: kernel.noop_args(done, counter, token, state_addr=noop))
+        self.captured: list[object] = []  # what captured launches read at every replay: kept for the process
+        self._consts: dict[tuple, dict] = {}
+
+    def apply(self, table: torch.Tensor, writes: Sequence[DeviceWrites], ordered: bool,
+              faults: torch.Tensor | None) -> None:  # fmt: skip
+        """One launch of the kernel for every set of `writes` (checked by `apply_device_writes`)."""
+        if table.shape[1] >= 1 << 31:
+            raise StagedWriteError(f"triton: rows of {table.shape[1]} cells (at most 2^31 - 1)")
+        tile = "ordered" if ordered else ("short" if _bound(writes, table) <= 8 else "long")
+        block_w, block_l = _TILES[tile]
+        tiles = [(w.num_writes + block_w - 1) // block_w for w in writes]
+        total = sum(tiles)
+        words = len(writes) * _SET_WORDS + sum(2 * w.num_writes for w in writes if w.kind == "tensors")
+        p = self.device.params
+        if ordered:
+            splits = programs = 1
+        else:
+            chunks = (min(_bound(writes, table), table.shape[1]) + block_l - 1) // block_l
+            splits = max(1, min(chunks, p.max_splits, self.device.max_programs // max(total, 1)))
+            programs = max(1, min(total * splits, self.device.max_programs))
+        variant = (table.dtype, tile)
+        consts = self._consts.get(variant)
+        if consts is None:
+            from multiwrite.backends.triton.device import _TL
+
+            np_char = np.dtype(str(table.dtype).removeprefix("torch.")).char
+            consts = self._consts[variant] = {"VALUE_DTYPE": _TL[np_char], "BLOCK_W": block_w, "BLOCK_L": block_l,
+                                              "ORDERED": ordered}  # fmt: skip
+        tail = (table.data_ptr(), table.stride(0), table.stride(1), table.shape[0], table.shape[1], len(writes),
+                total * splits, splits)  # fmt: skip
+        fault_addr = (self.unread_faults if faults is None else faults).data_ptr()
+        if is_capturing(table.device):
+            self._captured_launch(writes, tiles, words, total, variant, consts, programs, fault_addr, tail)
+            return
+        with self.device.lock:
+            lease = self.ring.acquire(1, words)
+            try:
+                _describe(lease.values[:words], writes, tiles, lease.values_addr)
+                state = self.states[lease.slot]
+                if state.shape[0] - _STATE_WORDS < total:
+                    state = self.states[lease.slot] = _state(table.device, max(total, 2 * state.shape[0]))
+            except BaseException:
+                self.ring.release(lease)
+                raise
+            self.device.launch_on(lease, self.launcher, variant, consts, programs, 1,
+                                  (lease.values_addr, state.data_ptr(), fault_addr),
+                                  (*tail, state.shape[0] - _STATE_WORDS), (writes, state))  # fmt: skip
+
+    def _captured_launch(self, writes, tiles, words, total, variant, consts, programs, fault_addr, tail) -> None:
+        """The launch of a call being captured: descriptors and scan state of its own, kept for the process."""
+        device = self.device
+        with setup_calls(device.device):
+            desc = torch.zeros(max(words, 1), dtype=torch.int64, pin_memory=device.is_gpu)
+            word = torch.zeros(2, dtype=torch.int32, pin_memory=device.is_gpu)  # its counter and completion word
+        state = _state(device.device, total)
+        counter = torch.zeros(1, dtype=torch.int32, device=device.device)
+        _describe(desc.numpy()[:words], writes, tiles, desc.data_ptr())
+        self.captured.append((desc, word, state, counter, writes))
+        args = (desc.data_ptr(), state.data_ptr(), fault_addr, counter.data_ptr(), word.data_ptr(), 1, *tail,
+                state.shape[0] - _STATE_WORDS)  # fmt: skip
+        self.launcher.launch(variant, consts, programs, 1, args, jit=device.is_gpu)
+
+
+def _bound(writes: Sequence[DeviceWrites], table: torch.Tensor) -> int:
+    """The largest length the host knows of (host copies, `max_length`), else the table's width."""
+    bound = 0
+    for w in writes:
+        if w.host is not None:
+            lengths = w.host.arrays()[2]
+            bound = max(bound, int(lengths.max()) if lengths.shape[0] else 0)
+        elif w.max_length is not None:
+            bound = max(bound, w.max_length)
+        else:
+            return int(table.shape[1])
+    return bound
+
+
+def _describe(out: np.ndarray, writes: Sequence[DeviceWrites], tiles: list[int], out_addr: int) -> None:
+    """Fill `out` (int64, at address `out_addr`) with the set descriptors, then the addresses and sizes of per-row
+    tensors."""
+    first = 0
+    tail = len(writes) * _SET_WORDS
+    for s, (w, t) in enumerate(zip(writes, tiles)):
+        flags = sum(int(x.dtype == torch.int64) << bit for bit, x in enumerate((w.rows, w.starts, w.lengths)))
+        if w.kind == "values":
+            if w.values.shape[0] > MAX_VALUES:  # type: ignore[union-attr]
+                raise StagedWriteError(f"triton: set {s} has more than 2^40 - 1 values")
+            source, count, code = w.values.data_ptr(), w.values.shape[0], _DTYPE_CODE[w.values.dtype]  # type: ignore
+        else:
+            flags |= 1 << 3
+            code, count = _DTYPE_CODE[w.source_dtype], 0  # type: ignore[index]
+            if w.kind == "addresses":
+                source = w.sources.data_ptr()  # type: ignore[union-attr]
+            else:
+                n = w.num_writes
+                out[tail : tail + n] = [x.data_ptr() for x in w.sources]  # type: ignore[union-attr]
+                out[tail + n : tail + 2 * n] = [x.shape[0] for x in w.sources]  # type: ignore[union-attr]
+                source, count, tail = out_addr + 8 * tail, out_addr + 8 * (tail + n), tail + 2 * n
+        flags |= code << 4
+        out[s * _SET_WORDS : (s + 1) * _SET_WORDS] = (w.rows.data_ptr(), w.starts.data_ptr(), w.lengths.data_ptr(),
+                                                      source, w.num_writes, first, flags, count)  # fmt: skip
+        first += t

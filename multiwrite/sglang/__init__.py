@@ -1,0 +1,49 @@
+"""multiwrite in SGLang 0.5.23: its two page-table writers in one launch each, and `install()`, which puts them in
+SGLang's allocation module (docs/sglang.md).
+
+The names resolve on first use (PEP 562), so that SGLang's plugin entry point (`multiwrite.sglang.plugin`) imports
+no torch while it is off.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiwrite.sglang.install import UnsupportedSglangError, alloc_for_decode, install, uninstall
+    from multiwrite.sglang.writes import SglangWriteError, write_cache_indices, write_decode
+
+_LAZY = {
+    "SglangWriteError": "multiwrite.sglang.writes",
+    "UnsupportedSglangError": "multiwrite.sglang.install",
+    "alloc_for_decode": "multiwrite.sglang.install",
+    "install": "multiwrite.sglang.install",
+    "uninstall": "multiwrite.sglang.install",
+    "write_cache_indices": "multiwrite.sglang.writes",
+    "write_decode": "multiwrite.sglang.writes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'multiwrite.sglang' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "SglangWriteError",
+    "UnsupportedSglangError",
+    "alloc_for_decode",
+    "install",
+    "uninstall",
+    "write_cache_indices",
+    "write_decode",
+]
