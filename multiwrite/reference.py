@@ -11,6 +11,8 @@ the table, row, start, length and shape), so that a differential test can check 
   cleared, or kept when the table is replaced by another of a shape they still fit.
 - `ReferenceBlockTables`: `BlockTables` semantics: kernel block expansion, `num_blocks`, apply and clear
   (`misfit_kernel_block`: the check of its block sizes that `multiwrite replay` makes of its options too).
+- `apply_device_writes_reference`: `multiwrite.apply_device_writes` semantics (device-sourced writes, read through
+  the fields of each set; bad writes refused with host copies, skipped without).
 """
 
 from __future__ import annotations
