@@ -40,7 +40,7 @@ MAX_VALUES = (1 << 40) - 1
 def _state(device: torch.device, capacity: int) -> torch.Tensor:
     """A fresh scan state: ticket 0, finished 0, epoch 1, `capacity` zeroed flags."""
     state = torch.zeros(_STATE_WORDS + max(capacity, 1), dtype=torch.int64, device=device)
-    state[2] = 1
+    state[2:3].fill_(1)  # (a fill kernel: `state[2] = 1` copies a CPU scalar, which a CUDA graph capture refuses)
     return state
 
 

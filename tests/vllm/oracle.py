@@ -159,7 +159,7 @@ cache_dir = wheels.cache_dir
 
 
 def cached_wheel_problem(wheel: Path) -> str | None:
-    """Why the cached `wheel` cannot be used (None when it can): `tests.support.wheels.cached_wheel_problem` with the two
+    """Why the cached `wheel` cannot be used (None when it can): `wheels.cached_wheel_problem` with the two
     files."""
     return wheels.cached_wheel_problem(wheel, MEMBERS.values())
 
