@@ -33,7 +33,8 @@ def test_sglang_0523s_module_passes_the_check(upstream):
     assert install_mod.signature_differences(upstream.allocation) == []
 
 
-def test_install_on_sglang_0523s_module_rebinds_the_extend_writer_and_registers_cuda(upstream):
+def test_install_on_sglang_0523s_module_rebinds_the_extend_writer_and_registers_cuda(upstream, auto_selection):
+    """(On a CPU pool: the backend is the one dispatch picks for the CPU, whatever the forced matrix forces.)"""
     allocation = upstream.allocation
     theirs = allocation.write_cache_indices
     with upstream.active():
