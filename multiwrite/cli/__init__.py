@@ -21,6 +21,7 @@ passes test classes already loaded (`_known_errors`), never import them.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -113,6 +114,9 @@ class _Run:
     def __init__(self) -> None:
         self.args: argparse.Namespace | None = None
         self.interrupted = False
+        self._resender: threading.Thread | None = None
+        self._ended = threading.Event()
+        self._sending = threading.Lock()
 
     def where(self) -> str:
         return f" {self.args.command}" if self.args is not None else ""
@@ -124,11 +128,29 @@ class _Run:
 
     def on_unraisable(self, unraisable: object) -> None:
         """`sys.unraisablehook` while `main` runs: an interrupt raised where Python cannot propagate it (a callback
-        inside the import machinery, a finalizer) is recorded instead of printed; others go to the previous hook."""
+        inside the import machinery, a finalizer) is recorded instead of printed and delivered again (`_resend`),
+        else the command would run on as if never interrupted; others go to the previous hook."""
         if isinstance(getattr(unraisable, "exc_value", None), KeyboardInterrupt):
             self.interrupted = True
+            self._resend()
         else:
             self.previous_unraisable(unraisable)
+
+    def _resend(self) -> None:
+        """Interrupt the main thread again every 50 ms, from a thread of its own, until `main` ends (sent from the
+        hook itself, the interrupt would be taken inside the hook, where it cannot propagate either)."""
+        if self._resender is not None:
+            return
+        import _thread
+
+        def resend() -> None:
+            while not self._ended.wait(0.05):
+                with self._sending:
+                    if not self._ended.is_set():
+                        _thread.interrupt_main()
+
+        self._resender = threading.Thread(target=resend, name="multiwrite-interrupt", daemon=True)
+        self._resender.start()
 
     def watch(self) -> Callable[[], None]:
         """Install `on_sigint` (where Python's own handler is in place, in the main thread) and `on_unraisable`;
@@ -146,6 +168,14 @@ class _Run:
                 ours = False
 
         def restore() -> None:
+            self._ended.set()
+            with self._sending:  # no interrupt is sent after this,
+                pass
+            try:  # and one sent before it is taken here, by `on_sigint`
+                for _ in range(3):
+                    pass
+            except KeyboardInterrupt:
+                pass
             if ours:
                 signal.signal(signal.SIGINT, handler)
             sys.unraisablehook = self.previous_unraisable

@@ -239,3 +239,34 @@ def test_a_closed_output_pipe_exits_141_quietly(argv, buffering):
     finally:
         os.close(write)
     assert (proc.returncode, proc.stderr) == (141, "")
+
+
+# A SIGINT whose KeyboardInterrupt is raised inside a finalizer (where Python cannot propagate it: it becomes
+# "unraisable"), then a long loop: the command must end as interrupted, not run on. (Under load on the 2-core CI
+# machine a Ctrl-C landed there and a replay of 10^8 steps ran on past the test's 120 s.)
+UNRAISABLE_INTERRUPT = """
+import sys, time
+from multiwrite.cli import _Run
+run = _Run()
+restore = run.watch()
+class Finalized:
+    def __del__(self):
+        raise KeyboardInterrupt
+try:
+    Finalized()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        pass
+    print("ran on", run.interrupted)
+except KeyboardInterrupt:
+    print("interrupted", run.interrupted)
+finally:
+    restore()
+"""
+
+
+def test_an_interrupt_raised_inside_a_finalizer_still_interrupts_the_command():
+    done = subprocess.run([sys.executable, "-c", UNRAISABLE_INTERRUPT], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.stdout.split() == ["interrupted", "True"], (done.stdout, done.stderr)
+    assert done.stderr == ""  # recorded, not printed as an unraisable exception
