@@ -122,8 +122,10 @@ class _Run:
         return f" {self.args.command}" if self.args is not None else ""
 
     def on_sigint(self, signum: int, frame: object) -> None:
-        """The SIGINT handler while `main` runs: record it, then interrupt as Python's own handler does."""
+        """The SIGINT handler while `main` runs: record it, then interrupt as Python's own handler does; and until
+        `main` ends, again every 50 ms (`_resend`: code that swallowed the interrupt must not run on)."""
         self.interrupted = True
+        self._resend()
         raise KeyboardInterrupt
 
     def on_unraisable(self, unraisable: object) -> None:
@@ -137,8 +139,8 @@ class _Run:
             self.previous_unraisable(unraisable)
 
     def _resend(self) -> None:
-        """Interrupt the main thread again every 50 ms, from a thread of its own, until `main` ends (sent from the
-        hook itself, the interrupt would be taken inside the hook, where it cannot propagate either)."""
+        """Interrupt the main thread again every 50 ms, from a thread of its own, until `main` ends (sent from a
+        hook itself, the interrupt would be taken inside the hook, where it may not propagate either)."""
         if self._resender is not None:
             return
         import _thread

@@ -270,3 +270,32 @@ def test_an_interrupt_raised_inside_a_finalizer_still_interrupts_the_command():
                           text=True, timeout=120)  # fmt: skip
     assert done.stdout.split() == ["interrupted", "True"], (done.stdout, done.stderr)
     assert done.stderr == ""  # recorded, not printed as an unraisable exception
+
+
+SWALLOWED_INTERRUPT = """
+import os, signal, sys, time
+from multiwrite.cli import _Run
+run = _Run()
+restore = run.watch()
+try:
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt:
+        pass  # code that swallows it
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        pass
+    print("ran on", run.interrupted)
+except KeyboardInterrupt:
+    print("interrupted", run.interrupted)
+finally:
+    restore()
+"""
+
+
+def test_an_interrupt_that_some_code_swallowed_still_interrupts_the_command():
+    done = subprocess.run([sys.executable, "-c", SWALLOWED_INTERRUPT], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.stdout.split() == ["interrupted", "True"], (done.stdout, done.stderr)
+    assert done.stderr == ""
