@@ -238,6 +238,27 @@ def test_structural_errors_name_the_field():
                                          values=torch.tensor([1], dtype=torch.int32)))  # fmt: skip
 
 
+def test_a_set_reads_its_host_copies_and_tensors_once_when_built():
+    a, b = torch.arange(3, dtype=torch.int64), torch.arange(5, dtype=torch.int32)[::2]  # b: not contiguous
+    rows, starts, lengths = torch.tensor([2, 0]), torch.tensor([0, 1]), torch.tensor([3, 2])
+    host_rows = torch.tensor([2, 0], dtype=torch.int32)
+    w = DeviceWrites(rows, starts, lengths, sources=[a, a[:2]], host=HostCopies(host_rows, [0, 1], [3, 2]))
+    assert w.source_addresses.tolist() == [a.data_ptr(), a.data_ptr()] and w.source_sizes.tolist() == [3, 2]
+    assert [x.tolist() for x in w.host_arrays] == [[2, 0], [0, 1], [3, 2]] and w.length_bound == 3
+    host_rows[0] = 99  # after the set is built: it checks what it was built with
+    table = torch.zeros(3, 4, dtype=torch.int64)
+    apply_device_writes(table, w, backend="torch-generic")
+    assert table.tolist() == [[0, 0, 1, 0], [0, 0, 0, 0], [0, 1, 2, 0]]
+    v = DeviceWrites(rows, starts, lengths, values=torch.arange(5), max_length=7)
+    assert (v.host_arrays, v.source_sizes, v.source_addresses, v.length_bound) == (None, None, None, 7)
+    with pytest.raises(StagedWriteError, match=r"sources\[1\] is not contiguous \(stride 2\)"):
+        DeviceWrites(rows, starts, lengths, sources=[b[:1], b])
+    with pytest.raises(StagedWriteError, match=r"sources\[1\] must be a 1-D tensor of torch.int64"):
+        DeviceWrites(rows, starts, lengths, sources=[a, a.view(1, 3)])
+    with pytest.raises(StagedWriteError, match=r"sources\[0\] must be a 1-D tensor of torch.int64"):
+        DeviceWrites(rows, starts, lengths, sources=[[1, 2], a], source_dtype=torch.int64)
+
+
 def test_address_sources_need_a_backend_that_reads_addresses():
     """torch-cpu reads flat values and per-row tensors, never raw addresses: forcing it for an address set is refused
     naming what it lacks."""
