@@ -134,6 +134,12 @@ class DeviceWrites:
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 0):
             raise StagedWriteError(f"DeviceWrites.max_length must be an int >= 0 or None, got {self.max_length!r}")
         object.__setattr__(self, "_host_arrays", arrays)
+        object.__setattr__(self, "_n", int(n))
+        kind = "addresses" if isinstance(self.sources, torch.Tensor) else "tensors"
+        kind = "values" if self.values is not None else kind
+        object.__setattr__(self, "_kind", kind)
+        bound = self.max_length if arrays is None else (int(arrays[2].max()) if n else 0)
+        object.__setattr__(self, "_length_bound", bound)
 
     def _check_tensors(self, n: int, device: torch.device) -> None:
         tensors = tuple(self.sources)  # type: ignore[arg-type]
@@ -158,7 +164,7 @@ class DeviceWrites:
     @property
     def num_writes(self) -> int:
         """Writes in the set (`n`), empty ones included."""
-        return int(self.rows.shape[0])
+        return self._n  # type: ignore[attr-defined]
 
     @property
     def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -182,17 +188,12 @@ class DeviceWrites:
     def length_bound(self) -> int | None:
         """The largest length the host knows of: the host copies' largest length (0 for no writes), else
         `max_length`, else None."""
-        if self._host_arrays is not None:  # type: ignore[attr-defined]
-            lengths = self._host_arrays[2]  # type: ignore[attr-defined]
-            return int(lengths.max()) if lengths.shape[0] else 0
-        return self.max_length
+        return self._length_bound  # type: ignore[attr-defined]
 
     @property
     def kind(self) -> str:
         """The source kind: "values", "tensors" or "addresses" (`Backend.DEVICE_WRITE_SOURCES`)."""
-        if self.values is not None:
-            return "values"
-        return "addresses" if isinstance(self.sources, torch.Tensor) else "tensors"
+        return self._kind  # type: ignore[attr-defined]
 
 
 def _shown(t: Any) -> str:
@@ -294,7 +295,9 @@ def check_host_copies(table: torch.Tensor, writes: Sequence[DeviceWrites]) -> No
         if w.host_arrays is None:
             continue
         r, st, ln = w.host_arrays
-        bad = (r < 0) | (r >= rows) | (st < 0) | (ln < 0) | (st + ln > cols)
+        if _fits(w, r, st, ln, rows, cols):
+            continue
+        bad = (r < 0) | (r >= rows) | (st < 0) | (ln < 0) | (st > cols - ln)  # (st + ln could wrap)
         what = np.where(bad, 1, 0)
         if w.kind == "values":
             ends = np.cumsum(np.maximum(ln, 0))
@@ -316,8 +319,24 @@ def check_host_copies(table: torch.Tensor, writes: Sequence[DeviceWrites]) -> No
         elif ln[i] < 0 or st[i] < 0:
             why = "a negative start or length"
         else:
-            why = f"it ends at column {int(st[i] + ln[i])}, past the row width {cols}"
+            why = f"it ends at column {int(st[i]) + int(ln[i])}, past the row width {cols}"
         raise StagedWriteError(f"{where}: {why}; nothing was written")
+
+
+def _fits(w: DeviceWrites, r: np.ndarray, st: np.ndarray, ln: np.ndarray, rows: int, cols: int) -> bool:
+    """True when every write of `w` is good (a cheap precondition of `check_host_copies`' search, a few reductions);
+    False when some write may be bad."""
+    if not r.shape[0]:
+        return True
+    u = np.uint64
+    # a negative row reads as a huge unsigned one; starts and lengths known >= 0 add up exactly as unsigned
+    if r.view(u).max() >= rows or (st | ln).min() < 0 or (st.view(u) + ln.view(u)).max() > cols:
+        return False
+    if w.kind == "values":
+        return int(ln.sum()) <= w.values.shape[0]  # type: ignore[union-attr]
+    if w.kind == "tensors":
+        return bool((w.source_sizes - ln).min() >= 0)  # type: ignore[operator]
+    return True
 
 
 def may_overlap(table: torch.Tensor, writes: Sequence[DeviceWrites]) -> bool:

@@ -123,6 +123,7 @@ BAD = {  # (row, start, length) of write 1 of 3 into a (4, 8) table, and what th
     "negative length": ((2, 1, -1), "negative"),
     "negative start": ((2, -1, 2), "negative"),
     "past the row": ((2, 6, 3), "ends at column 9, past the row width 8"),
+    "past the row, start + length past 2^63": ((2, 2**62, 2**62), f"ends at column {2**63}, past the row width 8"),
 }
 
 
