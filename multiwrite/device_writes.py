@@ -134,6 +134,8 @@ class DeviceWrites:
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 0):
             raise StagedWriteError(f"DeviceWrites.max_length must be an int >= 0 or None, got {self.max_length!r}")
         object.__setattr__(self, "_host_arrays", arrays)
+        if self.values is not None or isinstance(self.sources, torch.Tensor):
+            object.__setattr__(self, "_tensor_info", None)
         object.__setattr__(self, "_n", int(n))
         kind = "addresses" if isinstance(self.sources, torch.Tensor) else "tensors"
         kind = "values" if self.values is not None else kind
@@ -175,13 +177,13 @@ class DeviceWrites:
     @property
     def source_sizes(self) -> np.ndarray | None:
         """Per-row tensors: their sizes (int64 `[n]`), read when the set was built; else None."""
-        info = getattr(self, "_tensor_info", None)
+        info = self._tensor_info  # type: ignore[attr-defined]
         return None if info is None else info[1]
 
     @property
     def source_addresses(self) -> np.ndarray | None:
         """Per-row tensors: their `data_ptr()`s (int64 `[n]`), read when the set was built; else None."""
-        info = getattr(self, "_tensor_info", None)
+        info = self._tensor_info  # type: ignore[attr-defined]
         return None if info is None else info[0]
 
     @property

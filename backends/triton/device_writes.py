@@ -139,7 +139,8 @@ def _describe(out: np.ndarray, writes: Sequence[DeviceWrites], tiles: list[int],
     first = 0
     tail = len(writes) * _SET_WORDS
     for s, (w, t) in enumerate(zip(writes, tiles)):
-        flags = sum(int(x.dtype == torch.int64) << bit for bit, x in enumerate((w.rows, w.starts, w.lengths)))
+        i64 = torch.int64
+        flags = (w.rows.dtype == i64) | (w.starts.dtype == i64) << 1 | (w.lengths.dtype == i64) << 2
         if w.kind == "values":
             if w.values.shape[0] > MAX_VALUES:  # type: ignore[union-attr]
                 raise StagedWriteError(f"triton: set {s} has more than 2^40 - 1 values")
