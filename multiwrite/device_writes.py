@@ -39,7 +39,7 @@ def _host_ints(x: Any, what: str) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise StagedWriteError(f"HostCopies.{what} must be 1-D integers, got shape {a.shape} of {a.dtype}")
-    return a.astype(np.int64, copy=False)
+    return a.astype(np.int64)  # a copy: the set keeps what it was built with
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class HostCopies:
     """CPU copies of one set's `rows`, `starts` and `lengths` (what SGLang passes as `*_cpu`): CPU tensors, numpy
     arrays or lists, equal to the device tensors. With them every write is checked on the host before anything is
     launched, without a synchronization; they must equal the device values (the device values are what is written).
+    A `DeviceWrites` reads them once, when it is built.
     """
 
     rows: Any
@@ -54,7 +55,7 @@ class HostCopies:
     lengths: Any
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The three copies as int64 numpy arrays."""
+        """The three copies as int64 numpy arrays (fresh copies)."""
         return _host_ints(self.rows, "rows"), _host_ints(self.starts, "starts"), _host_ints(self.lengths, "lengths")
 
 
@@ -122,48 +123,104 @@ class DeviceWrites:
                                        f"sources, got {self.source_dtype}")  # fmt: skip
         else:
             self._check_tensors(n, device)
+        arrays = None
         if self.host is not None:
             if not isinstance(self.host, HostCopies):
                 raise StagedWriteError(f"DeviceWrites.host must be a HostCopies, got {type(self.host).__name__}")
-            for what, a in zip(("rows", "starts", "lengths"), self.host.arrays()):
+            arrays = self.host.arrays()
+            for what, a in zip(("rows", "starts", "lengths"), arrays):
                 if a.shape[0] != n:
                     raise StagedWriteError(f"DeviceWrites.host.{what} holds {a.shape[0]} entries, rows {n}")
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 0):
             raise StagedWriteError(f"DeviceWrites.max_length must be an int >= 0 or None, got {self.max_length!r}")
+        object.__setattr__(self, "_host_arrays", arrays)
+        if self.values is not None or isinstance(self.sources, torch.Tensor):
+            object.__setattr__(self, "_tensor_info", None)
+        object.__setattr__(self, "_n", int(n))
+        kind = "addresses" if isinstance(self.sources, torch.Tensor) else "tensors"
+        kind = "values" if self.values is not None else kind
+        object.__setattr__(self, "_kind", kind)
+        bound = self.max_length if arrays is None else (int(arrays[2].max()) if n else 0)
+        object.__setattr__(self, "_length_bound", bound)
 
     def _check_tensors(self, n: int, device: torch.device) -> None:
         tensors = tuple(self.sources)  # type: ignore[arg-type]
         if len(tensors) != n:
             raise StagedWriteError(f"DeviceWrites.sources: {len(tensors)} tensors for {n} writes")
         dtype = self.source_dtype or (tensors[0].dtype if tensors and isinstance(tensors[0], torch.Tensor) else None)
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.device != device or t.dtype != dtype:
-                raise StagedWriteError(f"DeviceWrites.sources[{i}] must be a 1-D tensor of {dtype} on {device}, got "
-                                       f"{_shown(t)}")  # fmt: skip
-            if t.shape[0] > 1 and t.stride(0) != 1:
-                raise StagedWriteError(f"DeviceWrites.sources[{i}] is not contiguous (stride {t.stride(0)})")
+        info = _tensors_info(tensors, device, dtype)
+        if info is None:  # some tensor is refused: find it (the one check, in order)
+            for i, t in enumerate(tensors):
+                if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.device != device or t.dtype != dtype:
+                    raise StagedWriteError(f"DeviceWrites.sources[{i}] must be a 1-D tensor of {dtype} on {device}, "
+                                           f"got {_shown(t)}")  # fmt: skip
+                if t.shape[0] > 1 and t.stride(0) != 1:
+                    raise StagedWriteError(f"DeviceWrites.sources[{i}] is not contiguous (stride {t.stride(0)})")
+            raise AssertionError("_tensors_info refused tensors the check accepts")  # pragma: no cover
         if tensors and dtype not in SOURCE_DTYPES:
             raise StagedWriteError(f"DeviceWrites.sources: dtype {dtype} (supported: int32, int64, float32)")
         object.__setattr__(self, "sources", tensors)
         object.__setattr__(self, "source_dtype", dtype or torch.int64)
+        object.__setattr__(self, "_tensor_info", info)
 
     @property
     def num_writes(self) -> int:
         """Writes in the set (`n`), empty ones included."""
-        return int(self.rows.shape[0])
+        return self._n  # type: ignore[attr-defined]
+
+    @property
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The host copies as int64 numpy arrays (rows, starts, lengths), read when the set was built; None
+        without host copies."""
+        return self._host_arrays  # type: ignore[attr-defined]
+
+    @property
+    def source_sizes(self) -> np.ndarray | None:
+        """Per-row tensors: their sizes (int64 `[n]`), read when the set was built; else None."""
+        info = self._tensor_info  # type: ignore[attr-defined]
+        return None if info is None else info[1]
+
+    @property
+    def source_addresses(self) -> np.ndarray | None:
+        """Per-row tensors: their `data_ptr()`s (int64 `[n]`), read when the set was built; else None."""
+        info = self._tensor_info  # type: ignore[attr-defined]
+        return None if info is None else info[0]
+
+    @property
+    def length_bound(self) -> int | None:
+        """The largest length the host knows of: the host copies' largest length (0 for no writes), else
+        `max_length`, else None."""
+        return self._length_bound  # type: ignore[attr-defined]
 
     @property
     def kind(self) -> str:
         """The source kind: "values", "tensors" or "addresses" (`Backend.DEVICE_WRITE_SOURCES`)."""
-        if self.values is not None:
-            return "values"
-        return "addresses" if isinstance(self.sources, torch.Tensor) else "tensors"
+        return self._kind  # type: ignore[attr-defined]
 
 
 def _shown(t: Any) -> str:
     if isinstance(t, torch.Tensor):
         return f"a {t.dim()}-D {dtype_name(t.dtype)} tensor of shape {shape_text(t.shape)} on {t.device}"
     return f"a {type(t).__name__}"
+
+
+def _tensors_info(tensors: tuple, device: torch.device, dtype: torch.dtype | None
+                  ) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+    """(addresses, sizes) as int64 arrays of 1-D contiguous tensors of `dtype` on `device`, read in one pass; None
+    when any tensor is not one (the caller finds which)."""
+    if not tensors:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    try:
+        got = [(t.dtype, t.device, t.shape, t.is_contiguous(), t.data_ptr()) for t in tensors]
+    except (AttributeError, TypeError):
+        return None
+    dtypes, devices, shapes, contiguous, ptrs = zip(*got)
+    if set(dtypes) != {dtype} or set(devices) != {device} or not all(contiguous) or {len(x) for x in shapes} != {1}:
+        return None
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    n = len(tensors)
+    return np.fromiter(ptrs, np.int64, n), np.fromiter((x[0] for x in shapes), np.int64, n)
 
 
 class DeviceWriteFaults:
@@ -237,16 +294,18 @@ def check_host_copies(table: torch.Tensor, writes: Sequence[DeviceWrites]) -> No
     raise `StagedWriteError` naming the set, the write (request), its row, start and length and the table's shape."""
     rows, cols = table.shape
     for s, w in enumerate(writes):
-        if w.host is None:
+        if w.host_arrays is None:
             continue
-        r, st, ln = w.host.arrays()
-        bad = (r < 0) | (r >= rows) | (st < 0) | (ln < 0) | (st + ln > cols)
+        r, st, ln = w.host_arrays
+        if _fits(w, r, st, ln, rows, cols):
+            continue
+        bad = (r < 0) | (r >= rows) | (st < 0) | (ln < 0) | (st > cols - ln)  # (st + ln could wrap)
         what = np.where(bad, 1, 0)
         if w.kind == "values":
             ends = np.cumsum(np.maximum(ln, 0))
             what = np.where(~bad & (ends > w.values.shape[0]), 2, what)  # type: ignore[union-attr]
         elif w.kind == "tensors":
-            numel = np.asarray([t.shape[0] for t in w.sources], dtype=np.int64)  # type: ignore[union-attr]
+            numel = w.source_sizes
             what = np.where(~bad & (ln > numel), 3, what)
         if not what.any():
             continue
@@ -262,8 +321,24 @@ def check_host_copies(table: torch.Tensor, writes: Sequence[DeviceWrites]) -> No
         elif ln[i] < 0 or st[i] < 0:
             why = "a negative start or length"
         else:
-            why = f"it ends at column {int(st[i] + ln[i])}, past the row width {cols}"
+            why = f"it ends at column {int(st[i]) + int(ln[i])}, past the row width {cols}"
         raise StagedWriteError(f"{where}: {why}; nothing was written")
+
+
+def _fits(w: DeviceWrites, r: np.ndarray, st: np.ndarray, ln: np.ndarray, rows: int, cols: int) -> bool:
+    """True when every write of `w` is good (a cheap precondition of `check_host_copies`' search, a few reductions);
+    False when some write may be bad."""
+    if not r.shape[0]:
+        return True
+    u = np.uint64
+    # a negative row reads as a huge unsigned one; starts and lengths known >= 0 add up exactly as unsigned
+    if r.view(u).max() >= rows or (st | ln).min() < 0 or (st.view(u) + ln.view(u)).max() > cols:
+        return False
+    if w.kind == "values":
+        return int(ln.sum()) <= w.values.shape[0]  # type: ignore[union-attr]
+    if w.kind == "tensors":
+        return bool((w.source_sizes - ln).min() >= 0)  # type: ignore[operator]
+    return True
 
 
 def may_overlap(table: torch.Tensor, writes: Sequence[DeviceWrites]) -> bool:
@@ -274,7 +349,7 @@ def may_overlap(table: torch.Tensor, writes: Sequence[DeviceWrites]) -> bool:
         if w.may_overlap or (w.may_overlap is None and w.host is None):
             return True
         if w.may_overlap is None:
-            known.append(w.host.arrays())  # type: ignore[union-attr]
+            known.append(w.host_arrays)
     if not known:
         return False
     r, st, ln = (np.concatenate(a) for a in zip(*known))

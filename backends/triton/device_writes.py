@@ -66,7 +66,8 @@ class DeviceWritesRunner:
         """One launch of the kernel for every set of `writes` (checked by `apply_device_writes`)."""
         if table.shape[1] >= 1 << 31:
             raise StagedWriteError(f"triton: rows of {table.shape[1]} cells (at most 2^31 - 1)")
-        tile = "ordered" if ordered else ("short" if _bound(writes, table) <= 8 else "long")
+        bound = _bound(writes, table)
+        tile = "ordered" if ordered else ("short" if bound <= 8 else "long")
         block_w, block_l = _TILES[tile]
         tiles = [(w.num_writes + block_w - 1) // block_w for w in writes]
         total = sum(tiles)
@@ -75,7 +76,7 @@ class DeviceWritesRunner:
         if ordered:
             splits = programs = 1
         else:
-            chunks = (min(_bound(writes, table), table.shape[1]) + block_l - 1) // block_l
+            chunks = (min(bound, table.shape[1]) + block_l - 1) // block_l
             splits = max(1, min(chunks, p.max_splits, self.device.max_programs // max(total, 1)))
             programs = max(1, min(total * splits, self.device.max_programs))
         variant = (table.dtype, tile)
@@ -125,13 +126,10 @@ def _bound(writes: Sequence[DeviceWrites], table: torch.Tensor) -> int:
     """The largest length the host knows of (host copies, `max_length`), else the table's width."""
     bound = 0
     for w in writes:
-        if w.host is not None:
-            lengths = w.host.arrays()[2]
-            bound = max(bound, int(lengths.max()) if lengths.shape[0] else 0)
-        elif w.max_length is not None:
-            bound = max(bound, w.max_length)
-        else:
+        known = w.length_bound
+        if known is None:
             return int(table.shape[1])
+        bound = max(bound, known)
     return bound
 
 
@@ -141,7 +139,8 @@ def _describe(out: np.ndarray, writes: Sequence[DeviceWrites], tiles: list[int],
     first = 0
     tail = len(writes) * _SET_WORDS
     for s, (w, t) in enumerate(zip(writes, tiles)):
-        flags = sum(int(x.dtype == torch.int64) << bit for bit, x in enumerate((w.rows, w.starts, w.lengths)))
+        i64 = torch.int64
+        flags = (w.rows.dtype == i64) | (w.starts.dtype == i64) << 1 | (w.lengths.dtype == i64) << 2
         if w.kind == "values":
             if w.values.shape[0] > MAX_VALUES:  # type: ignore[union-attr]
                 raise StagedWriteError(f"triton: set {s} has more than 2^40 - 1 values")
@@ -153,8 +152,8 @@ def _describe(out: np.ndarray, writes: Sequence[DeviceWrites], tiles: list[int],
                 source = w.sources.data_ptr()  # type: ignore[union-attr]
             else:
                 n = w.num_writes
-                out[tail : tail + n] = [x.data_ptr() for x in w.sources]  # type: ignore[union-attr]
-                out[tail + n : tail + 2 * n] = [x.shape[0] for x in w.sources]  # type: ignore[union-attr]
+                out[tail : tail + n] = w.source_addresses
+                out[tail + n : tail + 2 * n] = w.source_sizes
                 source, count, tail = out_addr + 8 * tail, out_addr + 8 * (tail + n), tail + 2 * n
         flags |= code << 4
         out[s * _SET_WORDS : (s + 1) * _SET_WORDS] = (w.rows.data_ptr(), w.starts.data_ptr(), w.lengths.data_ptr(),

@@ -50,7 +50,7 @@ def apply_device_writes_torch(table: torch.Tensor, writes: Sequence[DeviceWrites
         if faults is not None:
             _record(faults, s, ~valid, r, st, ln, rows, cols)
         eff = torch.where(valid, ln, 0)
-        total = int(w.host.arrays()[2].sum()) if w.host is not None else int(eff.sum())
+        total = int(w.host_arrays[2].sum()) if w.host_arrays is not None else int(eff.sum())
         if total == 0:
             continue
         ends = torch.cumsum(eff, 0)

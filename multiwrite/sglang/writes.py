@@ -60,6 +60,26 @@ def _refused(where: str, e: ValueError) -> SglangWriteError:
     return SglangWriteError(f"{where}: {e}")
 
 
+def _prefixes(rows_tensor: torch.Tensor, lens_tensor: torch.Tensor, sources: Sequence[torch.Tensor],
+              rows: np.ndarray, prefix: np.ndarray, device: torch.device) -> DeviceWrites:  # fmt: skip
+    n = rows.shape[0]
+    return DeviceWrites(rows_tensor, _constant(device, 0, n), lens_tensor, sources=sources, source_dtype=torch.int64,
+                        host=HostCopies(rows, np.zeros(n, np.int64), prefix), may_overlap=False)  # fmt: skip
+
+
+def _prefix_set(rows_tensor: torch.Tensor, lens_tensor: torch.Tensor, prefix_tensors: Sequence[torch.Tensor],
+                rows: np.ndarray, prefix: np.ndarray, device: torch.device) -> DeviceWrites | None:  # fmt: skip
+    """The prefixes' set when every prefix tensor is already `prefix_len` contiguous int64 ids on `device` (what
+    SGLang passes but for empty prefixes elsewhere), read in one pass; else None (the caller checks each)."""
+    if not len(prefix_tensors):
+        return None
+    try:
+        w = _prefixes(rows_tensor, lens_tensor, prefix_tensors, rows, prefix, device)
+    except StagedWriteError:
+        return None
+    return w if np.array_equal(w.source_sizes, prefix) else None
+
+
 def write_cache_indices(
     out_cache_loc: torch.Tensor,
     req_pool_indices_tensor: torch.Tensor,
@@ -107,15 +127,20 @@ def write_cache_indices(
         i = int(bad[0])
         raise SglangWriteError(f"{where}: {_request(i, rows)}: seq_len {int(seq[i])} != prefix_len {int(prefix[i])} "
                                f"+ extend_len {int(extend[i])}")  # fmt: skip
-    sources = list(prefix_tensors)
-    for i, t in enumerate(prefix_tensors):
-        k = t.numel()
-        if k != prefix[i] or (k and (t.dtype != torch.int64 or t.device != device or (k > 1 and t.stride(-1) != 1))):
-            got = f"{k} {t.dtype} ids on {t.device}" + ("" if k < 2 or t.stride(-1) == 1 else ", not contiguous")
-            raise SglangWriteError(f"{where}: {_request(i, rows)}: prefix_tensors[{i}] holds {got}, expected "
-                                   f"prefix_len {int(prefix[i])} contiguous int64 ids on {device}")  # fmt: skip
-        if not k and (t.device != device or t.dtype != torch.int64 or t.dim() != 1):
-            sources[i] = _constant(device, -1, 0)  # (an empty prefix is read from nowhere)
+    prefixes = _prefix_set(req_pool_indices_tensor, prefix_lens_tensor, prefix_tensors, rows, prefix, device)
+    if prefixes is None:  # some prefix tensor is refused or replaced: the one check, request by request
+        sources = list(prefix_tensors)
+        for i, t in enumerate(prefix_tensors):
+            k = t.numel()
+            strided = k > 1 and t.stride(-1) != 1
+            if k != prefix[i] or (k and (t.dtype != torch.int64 or t.device != device or strided)):
+                got = f"{k} {t.dtype} ids on {t.device}" + ("" if k < 2 or t.stride(-1) == 1 else ", not contiguous")
+                raise SglangWriteError(f"{where}: {_request(i, rows)}: prefix_tensors[{i}] holds {got}, expected "
+                                       f"prefix_len {int(prefix[i])} contiguous int64 ids on {device}")  # fmt: skip
+            if not k and (t.device != device or t.dtype != torch.int64 or t.dim() != 1):
+                sources[i] = _constant(device, -1, 0)  # (an empty prefix is read from nowhere)
+    else:
+        sources = prefixes.sources
     order = np.argsort(rows, kind="stable")
     twice = np.flatnonzero(rows[order][1:] == rows[order][:-1])
     if twice.size:
@@ -128,11 +153,11 @@ def write_cache_indices(
     if not n:
         return
     try:
+        # distinct rows (checked above), prefixes at [0, prefix_len), extends at [prefix_len, seq_len): disjoint
         writes = [
-            DeviceWrites(req_pool_indices_tensor, _constant(device, 0, n), prefix_lens_tensor, sources=sources,
-                         source_dtype=torch.int64, host=HostCopies(rows, np.zeros(n, np.int64), prefix)),
+            prefixes or _prefixes(req_pool_indices_tensor, prefix_lens_tensor, sources, rows, prefix, device),
             DeviceWrites(req_pool_indices_tensor, prefix_lens_tensor, extend_lens_tensor, values=out_cache_loc,
-                         host=HostCopies(rows, prefix, extend)),
+                         host=HostCopies(rows, prefix, extend), may_overlap=False),
         ]  # fmt: skip
         apply_device_writes(table, writes, backend=backend)
     except StagedWriteError as e:

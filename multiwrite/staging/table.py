@@ -311,6 +311,8 @@ def self_overlaps(table: torch.Tensor) -> bool:
     (rows, cols), (s0, s1) = table.shape, table.stride()
     if rows == 0 or cols == 0:
         return False
+    if s1 == 1 and s0 >= cols:  # (the common layout: rows of contiguous cells, one after another)
+        return False
     s0, s1 = abs(s0), abs(s1)
     if (s0 == 0 and rows > 1) or (s1 == 0 and cols > 1):
         return True

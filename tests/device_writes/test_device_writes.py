@@ -124,6 +124,7 @@ BAD = {  # (row, start, length) of write 1 of 3 into a (4, 8) table, and what th
     "negative length": ((2, 1, -1), "negative"),
     "negative start": ((2, -1, 2), "negative"),
     "past the row": ((2, 6, 3), "ends at column 9, past the row width 8"),
+    "past the row, start + length past 2^63": ((2, 2**62, 2**62), f"ends at column {2**63}, past the row width 8"),
 }
 
 
@@ -237,6 +238,27 @@ def test_structural_errors_name_the_field():
         apply_device_writes(torch.zeros(8, dtype=torch.int32).as_strided((4, 4), (1, 1)),
                             DeviceWrites(torch.tensor([0]), torch.tensor([0]), torch.tensor([1]),
                                          values=torch.tensor([1], dtype=torch.int32)))  # fmt: skip
+
+
+def test_a_set_reads_its_host_copies_and_tensors_once_when_built():
+    a, b = torch.arange(3, dtype=torch.int64), torch.arange(5, dtype=torch.int32)[::2]  # b: not contiguous
+    rows, starts, lengths = torch.tensor([2, 0]), torch.tensor([0, 1]), torch.tensor([3, 2])
+    host_rows = torch.tensor([2, 0], dtype=torch.int32)
+    w = DeviceWrites(rows, starts, lengths, sources=[a, a[:2]], host=HostCopies(host_rows, [0, 1], [3, 2]))
+    assert w.source_addresses.tolist() == [a.data_ptr(), a.data_ptr()] and w.source_sizes.tolist() == [3, 2]
+    assert [x.tolist() for x in w.host_arrays] == [[2, 0], [0, 1], [3, 2]] and w.length_bound == 3
+    host_rows[0] = 99  # after the set is built: it checks what it was built with
+    table = torch.zeros(3, 4, dtype=torch.int64)
+    apply_device_writes(table, w, backend="torch-generic")
+    assert table.tolist() == [[0, 0, 1, 0], [0, 0, 0, 0], [0, 1, 2, 0]]
+    v = DeviceWrites(rows, starts, lengths, values=torch.arange(5), max_length=7)
+    assert (v.host_arrays, v.source_sizes, v.source_addresses, v.length_bound) == (None, None, None, 7)
+    with pytest.raises(StagedWriteError, match=r"sources\[1\] is not contiguous \(stride 2\)"):
+        DeviceWrites(rows, starts, lengths, sources=[b[:1], b])
+    with pytest.raises(StagedWriteError, match=r"sources\[1\] must be a 1-D tensor of torch.int64"):
+        DeviceWrites(rows, starts, lengths, sources=[a, a.view(1, 3)])
+    with pytest.raises(StagedWriteError, match=r"sources\[0\] must be a 1-D tensor of torch.int64"):
+        DeviceWrites(rows, starts, lengths, sources=[[1, 2], a], source_dtype=torch.int64)
 
 
 def test_address_sources_need_a_backend_that_reads_addresses():
