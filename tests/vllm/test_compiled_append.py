@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from multiwrite.errors import BlockTableWriteError
 from multiwrite.staging.fields import COMPILED
@@ -20,8 +21,9 @@ class PythonPath(PyVllmStaging, BlockTables):
     """The adapter with its Python `append_block_ids` only."""
 
 
-def make(cls=BlockTables) -> BlockTables:
-    return cls([16, 32, 8], 6, 64, [5, 4, 8], "cpu")
+def make(device: torch.device, cls=BlockTables) -> BlockTables:
+    """On the device under test (tests/vllm/conftest.py): the staging is the host's whatever it is."""
+    return cls([16, 32, 8], 6, 64, [5, 4, 8], device)
 
 
 def staged(bt: BlockTables) -> tuple:
@@ -41,14 +43,14 @@ CALLS = [
 ]
 
 
-def test_the_compiled_path_is_the_public_method_and_is_bound_to_the_core():
-    bt = make()
+def test_the_compiled_path_is_the_public_method_and_is_bound_to_the_core(device):
+    bt = make(device)
     assert type(bt).append_block_ids is not PyVllmStaging.append_block_ids
     assert bt.staging_core is bt.core
 
 
-def test_it_stages_exactly_what_the_python_path_stages():
-    ours, twin = make(), make(PythonPath)
+def test_it_stages_exactly_what_the_python_path_stages(device):
+    ours, twin = make(device), make(device, PythonPath)
     for call in CALLS:
         ours.append_block_ids(*call)
         twin.append_block_ids(*call)
@@ -56,13 +58,13 @@ def test_it_stages_exactly_what_the_python_path_stages():
     ours.apply_staged_writes()
     twin.apply_staged_writes()
     for a, b in zip(ours.block_tables, twin.block_tables):
-        np.testing.assert_array_equal(a.gpu.numpy(), b.gpu.numpy())
+        np.testing.assert_array_equal(a.gpu.cpu().numpy(), b.gpu.cpu().numpy())
 
 
 @pytest.mark.parametrize("ids", [[[5, 6, 7], [8], [1, 2]], [np.array([5, 6]), (8,), []], [[5, True], [-1], [2**40]]])
-def test_the_null_block_redirect_stages_zeros_whatever_the_ids(ids):
+def test_the_null_block_redirect_stages_zeros_whatever_the_ids(ids, device):
     """Only the lengths are read (a numpy array of ids, or ids that would be refused, included)."""
-    ours, twin = make(), make(PythonPath)
+    ours, twin = make(device), make(device, PythonPath)
     for bt in (ours, twin):
         bt.redirect_writes_to_null_block = True
         bt.append_block_ids(2, ids, True)
@@ -82,8 +84,8 @@ BAD_CALLS = [
 
 
 @pytest.mark.parametrize(("call", "message"), BAD_CALLS)
-def test_a_refused_call_raises_the_python_paths_error_and_stages_nothing(call, message):
-    ours, twin = make(), make(PythonPath)
+def test_a_refused_call_raises_the_python_paths_error_and_stages_nothing(call, message, device):
+    ours, twin = make(device), make(device, PythonPath)
     ours.append_block_ids(1, [[1], [2], [3]], True)
     twin.append_block_ids(1, [[1], [2], [3]], True)
     errors = []
@@ -95,28 +97,28 @@ def test_a_refused_call_raises_the_python_paths_error_and_stages_nothing(call, m
     assert staged(ours) == staged(twin)
 
 
-def test_keywords_and_a_core_staging_in_python_take_the_python_path():
-    bt = make()
+def test_keywords_and_a_core_staging_in_python_take_the_python_path(device):
+    bt = make(device)
     bt.append_block_ids(req_index=0, new_block_ids=[[1], [2], [3]], overwrite=True)
     assert bt.num_blocks.np[:, 0].tolist() == [1, 1, 1]
-    twin = make()
+    twin = make(device)
     twin._bind_vllm(None)  # (what a core staging in Python binds)
     twin.append_block_ids(0, [[1], [2], [3]], True)
     assert staged(bt) == staged(twin)
 
 
-def test_a_core_that_stages_in_python_is_not_bound(monkeypatch):
+def test_a_core_that_stages_in_python_is_not_bound(monkeypatch, device):
     import multiwrite.vllm.block_tables as adapter
 
     monkeypatch.setattr(adapter, "CoreBlockTables", PythonStagedBlockTables)
-    bt = make()
+    bt = make(device)
     assert bt.staging_core is None
     bt.append_block_ids(0, [[1], [2], [3], [4]], True)
     assert bt.num_blocks.np[:, 0].tolist() == [1, 1, 1]
 
 
-def test_tables_without_groups_stage_nothing():
-    bt = BlockTables([], 4, 64, [], "cpu")
+def test_tables_without_groups_stage_nothing(device):
+    bt = BlockTables([], 4, 64, [], device)
     bt.append_block_ids(0, [], True)
     bt.append_block_ids(9, [[1]], "not even a bool")
     assert bt.staging_core is None and bt.num_blocks.np.shape == (0, 4)
