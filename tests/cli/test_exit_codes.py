@@ -153,6 +153,13 @@ def multiwrite_backends():
 MARKER_PLUGIN = backend_source("Marker", "marker-cpu") + MARKER_SOURCE
 
 
+def sigint_as_a_terminal_gives_it() -> None:
+    """`preexec_fn` of the children that get a SIGINT: its default disposition, whatever the test run's is (a CI
+    runner started as a background job of a shell ignores SIGINT, and a child would inherit that: Ctrl-C could not
+    reach it, rightly)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(proc: subprocess.Popen, started: Callable[[], None]) -> tuple[str, str]:
     """SIGINT to `proc` once `started()` returns, then its stdout and stderr (it is killed if it outlives the test)."""
     try:
@@ -172,7 +179,7 @@ def test_ctrl_c_during_a_replay_ends_quietly_with_130(tmp_path):
     env = subprocess_env(tmp_path, MULTIWRITE_TEST_MARKER=str(marker))
     argv = ["replay", "--steps", "100000000", "--concurrency", "256", "--backend", "marker-cpu", *CPU]
     proc = subprocess.Popen([*multiwrite_command(), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, preexec_fn=sigint_as_a_terminal_gives_it)  # fmt: skip
 
     def started():
         deadline = time.monotonic() + 120
@@ -205,7 +212,8 @@ def test_ctrl_c_at_any_moment_of_the_first_seconds_ends_with_130_and_one_line(en
     outcomes = []
     for delay in DELAYS:
         proc = subprocess.Popen([sys.executable, "-c", code + ENTRIES[entry]], env=subprocess_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=sigint_as_a_terminal_gives_it)  # fmt: skip
 
         def started(proc=proc, delay=delay):
             assert proc.stderr.readline() == "started\n"
@@ -267,7 +275,7 @@ finally:
 
 def test_an_interrupt_raised_inside_a_finalizer_still_interrupts_the_command():
     done = subprocess.run([sys.executable, "-c", UNRAISABLE_INTERRUPT], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+                          text=True, timeout=120, preexec_fn=sigint_as_a_terminal_gives_it)  # fmt: skip
     assert done.stdout.split() == ["interrupted", "True"], (done.stdout, done.stderr)
     assert done.stderr == ""  # recorded, not printed as an unraisable exception
 
@@ -296,6 +304,6 @@ finally:
 
 def test_an_interrupt_that_some_code_swallowed_still_interrupts_the_command():
     done = subprocess.run([sys.executable, "-c", SWALLOWED_INTERRUPT], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+                          text=True, timeout=120, preexec_fn=sigint_as_a_terminal_gives_it)  # fmt: skip
     assert done.stdout.split() == ["interrupted", "True"], (done.stdout, done.stderr)
     assert done.stderr == ""
