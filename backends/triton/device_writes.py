@@ -2,12 +2,13 @@
 set descriptors (and the address tables of per-row tensors), picks the launch's shape, and launches the kernel of
 `kernels/device_writes.py` once per call (docs/device-writes.md).
 
-Eager calls write the descriptors into a slot of a ring of pinned host memory the kernel reads in place
-(`SlotRing`, through `TritonDevice.launch_on`: the slot is handed out again only once the kernel's completion token
-is back), with the slot's own scan state on the device. A call made while the current stream captures a CUDA graph
-(or a `simulated_capture`) gets a pinned descriptor buffer and a scan state of its own that are never rewritten
-and kept for the process (the graph reads them at every replay); the replay reads the device inputs at their
-captured addresses.
+The descriptors of up to two sets travel as the launch's arguments. Eager calls that read host memory (the
+descriptors of more sets, the address tables of per-row tensors) or scan flags write it into a slot of a ring of
+pinned host memory the kernel reads in place (`SlotRing`, through `TritonDevice.launch_on`: the slot is handed out
+again only once the kernel's completion token is back), with the slot's own scan state on the device; the others
+take no slot. A call made while the current stream captures a CUDA graph (or a `simulated_capture`) gets a pinned
+buffer and a scan state of its own that are never rewritten and kept for the process (the graph reads them at
+every replay); the replay reads the device inputs at their captured addresses.
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ _SET_WORDS = kernel.SET_WORDS.value
 _STATE_WORDS = kernel.STATE_WORDS.value
 _DTYPE_CODE = {torch.int32: 0, torch.int64: 1, torch.float32: 2}
 #: (block_w, block_l) of the tiles: short writes (every length known to be at most 8), long writes, ordered.
-_TILES = {"short": (128, 8), "long": (16, 64), "ordered": (16, 32)}
+_TILES = {"short": (128, 8), "long": (16, 128), "ordered": (16, 32)}
+#: Writes per scan block (a multiple of every tile's `block_w`): a flat set of at most this many writes is scanned
+#: without flags (kernel docstring).
+SCAN_W = 1024
 #: Values of one flat source the flag words can count (40 bits).
 MAX_VALUES = (1 << 40) - 1
+_NO_SETS = (0,) * (kernel.ARG_SETS_MAX * _SET_WORDS)
 
 
 def _state(device: torch.device, capacity: int) -> torch.Tensor:
-    """A fresh scan state: ticket 0, finished 0, epoch 1, `capacity` zeroed flags."""
+    """A fresh scan state: two unused words, epoch 1, `capacity` zeroed flags."""
     state = torch.zeros(_STATE_WORDS + max(capacity, 1), dtype=torch.int64, device=device)
     state[2:3].fill_(1)  # (a fill kernel: `state[2] = 1` copies a CPU scalar, which a CUDA graph capture refuses)
     return state
@@ -63,7 +68,9 @@ class DeviceWritesRunner:
 
     def apply(self, table: torch.Tensor, writes: Sequence[DeviceWrites], ordered: bool,
               faults: torch.Tensor | None) -> None:  # fmt: skip
-        """One launch of the kernel for every set of `writes` (checked by `apply_device_writes`)."""
+        """One launch of the kernel for every set of `writes` (checked by `apply_device_writes`). A launch that
+        reads no host memory (the descriptors as its arguments, no address tables) and no scan flags takes no
+        staging slot."""
         if table.shape[1] >= 1 << 31:
             raise StagedWriteError(f"triton: rows of {table.shape[1]} cells (at most 2^31 - 1)")
         bound = _bound(writes, table)
@@ -71,55 +78,65 @@ class DeviceWritesRunner:
         block_w, block_l = _TILES[tile]
         tiles = [(w.num_writes + block_w - 1) // block_w for w in writes]
         total = sum(tiles)
-        words = len(writes) * _SET_WORDS + sum(2 * w.num_writes for w in writes if w.kind == "tensors")
-        p = self.device.params
+        arg_sets = len(writes) if len(writes) <= kernel.ARG_SETS_MAX else 0
+        words = (0 if arg_sets else len(writes) * _SET_WORDS) + sum(2 * w.num_writes for w in writes
+                                                                    if w.kind == "tensors")  # fmt: skip
+        scanned = int(any(w.kind == "values" and w.num_writes > SCAN_W for w in writes))
         if ordered:
-            splits = programs = 1
+            grid0 = splits = 1
         else:
             chunks = (min(bound, table.shape[1]) + block_l - 1) // block_l
-            splits = max(1, min(chunks, p.max_splits, self.device.max_programs // max(total, 1)))
-            programs = max(1, min(total * splits, self.device.max_programs))
-        variant = (table.dtype, tile)
+            splits = max(1, min(chunks, self.device.params.max_splits, self.device.max_programs // max(total, 1)))
+            grid0 = max(1, min(total, self.device.max_programs // splits))
+        variant = (table.dtype, tile, arg_sets, SCAN_W)
         consts = self._consts.get(variant)
         if consts is None:
             from multiwrite.backends.triton.device import _TL
 
             np_char = np.dtype(str(table.dtype).removeprefix("torch.")).char
             consts = self._consts[variant] = {"VALUE_DTYPE": _TL[np_char], "BLOCK_W": block_w, "BLOCK_L": block_l,
-                                              "ORDERED": ordered}  # fmt: skip
+                                              "SCAN_W": SCAN_W, "ORDERED": ordered, "ARG_SETS": arg_sets}  # fmt: skip
         tail = (table.data_ptr(), table.stride(0), table.stride(1), table.shape[0], table.shape[1], len(writes),
-                total * splits, splits)  # fmt: skip
+                total)  # fmt: skip
         fault_addr = (self.unread_faults if faults is None else faults).data_ptr()
         if is_capturing(table.device):
-            self._captured_launch(writes, tiles, words, total, variant, consts, programs, fault_addr, tail)
+            self._captured_launch(writes, tiles, words, arg_sets, scanned, variant, consts, (grid0, splits),
+                                  fault_addr, tail)  # fmt: skip
+            return
+        if not words and not scanned:
+            sets = _describe(None, writes, tiles, arg_sets, 0)
+            args = (0, *sets, self.noop_state.data_ptr(), fault_addr, 0, 0, 0, *tail, 0, 0)
+            self.launcher.launch(variant, consts, grid0, splits, args)
             return
         with self.device.lock:
             lease = self.ring.acquire(1, words)
             try:
-                _describe(lease.values[:words], writes, tiles, lease.values_addr)
+                sets = _describe(lease.values[:words], writes, tiles, arg_sets, lease.values_addr)
                 state = self.states[lease.slot]
                 if state.shape[0] - _STATE_WORDS < total:
                     state = self.states[lease.slot] = _state(table.device, max(total, 2 * state.shape[0]))
             except BaseException:
                 self.ring.release(lease)
                 raise
-            self.device.launch_on(lease, self.launcher, variant, consts, programs, 1,
-                                  (lease.values_addr, state.data_ptr(), fault_addr),
-                                  (*tail, state.shape[0] - _STATE_WORDS), (writes, state))  # fmt: skip
+            self.device.launch_on(lease, self.launcher, variant, consts, grid0, splits,
+                                  (lease.values_addr, *sets, state.data_ptr(), fault_addr),
+                                  (*tail, state.shape[0] - _STATE_WORDS, scanned), (writes, state))  # fmt: skip
 
-    def _captured_launch(self, writes, tiles, words, total, variant, consts, programs, fault_addr, tail) -> None:
+    def _captured_launch(self, writes, tiles, words, arg_sets, scanned, variant, consts, grid, fault_addr,
+                         tail) -> None:  # fmt: skip
         """The launch of a call being captured: descriptors and scan state of its own, kept for the process."""
         device = self.device
+        total = tail[-1]
         with setup_calls(device.device):
             desc = torch.zeros(max(words, 1), dtype=torch.int64, pin_memory=device.is_gpu)
             word = torch.zeros(2, dtype=torch.int32, pin_memory=device.is_gpu)  # its counter and completion word
         state = _state(device.device, total)
         counter = torch.zeros(1, dtype=torch.int32, device=device.device)
-        _describe(desc.numpy()[:words], writes, tiles, desc.data_ptr())
+        sets = _describe(desc.numpy()[:words], writes, tiles, arg_sets, desc.data_ptr())
         self.captured.append((desc, word, state, counter, writes))
-        args = (desc.data_ptr(), state.data_ptr(), fault_addr, counter.data_ptr(), word.data_ptr(), 1, *tail,
-                state.shape[0] - _STATE_WORDS)  # fmt: skip
-        self.launcher.launch(variant, consts, programs, 1, args, jit=device.is_gpu)
+        args = (desc.data_ptr(), *sets, state.data_ptr(), fault_addr, counter.data_ptr(), word.data_ptr(), 1, *tail,
+                state.shape[0] - _STATE_WORDS, scanned)  # fmt: skip
+        self.launcher.launch(variant, consts, *grid, args, jit=device.is_gpu)
 
 
 def _bound(writes: Sequence[DeviceWrites], table: torch.Tensor) -> int:
@@ -133,11 +150,14 @@ def _bound(writes: Sequence[DeviceWrites], table: torch.Tensor) -> int:
     return bound
 
 
-def _describe(out: np.ndarray, writes: Sequence[DeviceWrites], tiles: list[int], out_addr: int) -> None:
-    """Fill `out` (int64, at address `out_addr`) with the set descriptors, then the addresses and sizes of per-row
-    tensors."""
+def _describe(out: np.ndarray | None, writes: Sequence[DeviceWrites], tiles: list[int], arg_sets: int,
+              out_addr: int) -> tuple[int, ...]:  # fmt: skip
+    """The set descriptors: returned as the launch's `ARG_SETS_MAX * SET_WORDS` descriptor arguments when
+    `arg_sets`, else written at the start of `out` (int64, at address `out_addr`; the arguments then zeros); the
+    addresses and sizes of per-row tensors follow in `out`."""
     first = 0
-    tail = len(writes) * _SET_WORDS
+    tail = 0 if arg_sets else len(writes) * _SET_WORDS
+    described: list[int] = []
     for s, (w, t) in enumerate(zip(writes, tiles)):
         i64 = torch.int64
         flags = (w.rows.dtype == i64) | (w.starts.dtype == i64) << 1 | (w.lengths.dtype == i64) << 2
@@ -152,10 +172,14 @@ def _describe(out: np.ndarray, writes: Sequence[DeviceWrites], tiles: list[int],
                 source = w.sources.data_ptr()  # type: ignore[union-attr]
             else:
                 n = w.num_writes
-                out[tail : tail + n] = w.source_addresses
-                out[tail + n : tail + 2 * n] = w.source_sizes
+                out[tail : tail + n] = w.source_addresses  # type: ignore[index]
+                out[tail + n : tail + 2 * n] = w.source_sizes  # type: ignore[index]
                 source, count, tail = out_addr + 8 * tail, out_addr + 8 * (tail + n), tail + 2 * n
         flags |= code << 4
-        out[s * _SET_WORDS : (s + 1) * _SET_WORDS] = (w.rows.data_ptr(), w.starts.data_ptr(), w.lengths.data_ptr(),
-                                                      source, w.num_writes, first, flags, count)  # fmt: skip
+        described += (w.rows.data_ptr(), w.starts.data_ptr(), w.lengths.data_ptr(), source, w.num_writes, first,
+                      flags, count)  # fmt: skip
         first += t
+    if not arg_sets:
+        out[: len(described)] = described  # type: ignore[index]
+        return _NO_SETS
+    return (*described, *_NO_SETS[len(described) :])

@@ -1,5 +1,6 @@
-"""The Triton device-writes kernel through Triton's interpreter (CPU tables): its scan state across launches (the
-ticket and count back to 0, the epoch advancing, the flags cleared when the epoch wraps), a simulated CUDA graph
+"""The Triton device-writes kernel through Triton's interpreter (CPU tables): its scan over several blocks
+(flags published or missing), the scan state across launches (the epoch advancing when flags were used, the flags
+cleared when it wraps), more sets than the launch's arguments hold, a simulated CUDA graph
 capture replayed with changed device inputs at the captured addresses, and a torch backend refusing a capture."""
 
 from __future__ import annotations
@@ -31,26 +32,96 @@ def _set(n=40, seed=0, host=True):
     return w
 
 
-def test_the_scan_state_is_left_ready_and_the_epoch_wraps_clearing_the_flags():
+@pytest.fixture
+def small_scan_blocks(monkeypatch):
+    """Scan blocks of 128 writes (1024 in use), so that the interpreter runs the flags' look-back on small sets."""
+    from multiwrite.backends.triton import device_writes as runner_module
+
+    monkeypatch.setattr(runner_module, "SCAN_W", 128)
+
+
+def _long_set(n, seed, longest=20, may_overlap=False):
+    """`n` writes of 0..`longest` values into distinct rows of a (n, longest + 5) table, flat int64 values."""
+    rng = np.random.default_rng(seed)
+    ln = rng.integers(0, longest + 1, n)
+    if seed % 2:
+        ln[rng.integers(0, n, n // 3)] = 0  # empty writes between
+    st = rng.integers(0, 5, n)
+    r = rng.permutation(n)
+    values = torch.from_numpy(rng.integers(-(2**40), 2**40, int(ln.sum()) + 3))
+    return DeviceWrites(torch.tensor(r), torch.tensor(st, dtype=torch.int32), torch.tensor(ln), values=values,
+                        host=HostCopies(r, st, ln), may_overlap=may_overlap)  # fmt: skip
+
+
+@pytest.mark.parametrize("n,seed,longest", [(130, 0, 20), (700, 1, 20), (1000, 2, 4), (385, 3, 0), (129, 4, 9)])
+@pytest.mark.parametrize("same_rows", [False, True], ids=["parallel", "ordered"])
+def test_sets_of_several_scan_blocks_match_the_reference(small_scan_blocks, n, seed, longest, same_rows):
+    """Flat sets of more than one scan block: each tile's offset is the sum of every earlier write's length, whether
+    the flags of the earlier blocks were published (prefixes, sums) or missing (summed by the tile that needs them):
+    the interpreter's 8 programs take the tiles 0, 8, 16, ..., so most tiles find the blocks before them unsummed.
+    Long tiles (16 writes), short tiles (128), writes of 0 values between; int64 values into an int64 table; a
+    second set after the first (its own blocks), into other rows (a parallel launch) or the same ones (an ordered
+    launch: one program, in order, the later write wins)."""
+    table = torch.full((2 * n, longest + 5), -1, dtype=torch.int64)
+    first, second = _long_set(n, seed, longest, None), _long_set(n, seed + 10, longest)
+    rows = torch.tensor(np.random.default_rng(seed).permutation(n)) + (0 if same_rows else n)
+    second = DeviceWrites(rows, second.starts, second.lengths, values=second.values,
+                          host=HostCopies(rows.numpy(), *second.host_arrays[1:]), may_overlap=None)  # fmt: skip
+    for _ in range(2):  # the second call reads the flags the first left (an earlier epoch)
+        table.fill_(-1)
+        apply_device_writes(table, [first, second], backend="triton-cuda")
+        expected = apply_device_writes_reference(np.full(tuple(table.shape), -1, np.int64), [first, second])
+        np.testing.assert_array_equal(table.numpy(), expected)
+
+
+def test_the_epoch_advances_only_when_flags_were_used_and_its_wrap_clears_them(small_scan_blocks):
     from multiwrite.backends.triton.kernels.device_writes import EPOCH_MAX, STATE_WORDS
 
     runner = _runner()
-    table = torch.zeros((50, 17), dtype=torch.int32)
-    w = _set()
-    apply_device_writes(table, w, backend="triton-cuda")
+    table = torch.zeros((300, 25), dtype=torch.int64)
+    small, big = _long_set(100, 5), _long_set(300, 6)
     epochs = [int(s[2]) for s in runner.states]
-    assert all(int(s[0]) == 0 and int(s[1]) == 0 for s in runner.states), "ticket or count left non-zero"
+    apply_device_writes(table, small, backend="triton-cuda")  # one scan block: no flags, no slot, no epoch
+    assert [int(s[2]) for s in runner.states] == epochs
     for state in runner.states:
         state[2] = EPOCH_MAX.value
-        state[STATE_WORDS.value :] = (3 << 40) | 5  # flags of epoch 1 from long ago: they must not survive the wrap
+        state[STATE_WORDS.value :] = (3 << 40) | 5  # the prefixes of epoch 1 from long ago: must not survive the wrap
     for _ in runner.states:
         table.zero_()
-        apply_device_writes(table, w, backend="triton-cuda")
-        np.testing.assert_array_equal(table.numpy(), apply_device_writes_reference(np.zeros((50, 17), np.int32), [w]))
-    assert [int(s[2]) for s in runner.states] == [1] * len(runner.states) and min(epochs) >= 1
+        apply_device_writes(table, big, backend="triton-cuda")
+        np.testing.assert_array_equal(table.numpy(), apply_device_writes_reference(np.zeros((300, 25), np.int64),
+                                                                                   [big]))  # fmt: skip
+    assert [int(s[2]) for s in runner.states] == [1] * len(runner.states)
     assert all(not s[STATE_WORDS.value :].any() for s in runner.states), "the wrap did not clear the flags"
-    apply_device_writes(table, w, backend="triton-cuda")
+    table.zero_()
+    apply_device_writes(table, big, backend="triton-cuda")  # epoch 1 again: the flags of epoch 1 before are gone
+    np.testing.assert_array_equal(table.numpy(), apply_device_writes_reference(np.zeros((300, 25), np.int64), [big]))
     assert sorted(int(s[2]) for s in runner.states)[-1] == 2
+
+
+def test_more_sets_than_the_arguments_hold_read_their_descriptors_from_memory():
+    """Three sets (descriptors in the staging slot, not the launch's arguments), of every source kind."""
+    from multiwrite.backends.triton.kernels.device_writes import ARG_SETS_MAX
+
+    table = torch.full((60, 12), -1, dtype=torch.int32)
+    rng = np.random.default_rng(7)
+    rows = rng.permutation(60)
+    sets = []
+    for k in range(ARG_SETS_MAX + 1):
+        r = rows[20 * k : 20 * k + 20]
+        ln = rng.integers(0, 12, 20)
+        st = np.zeros(20, np.int64)
+        if k == 1:
+            src = [torch.from_numpy(rng.integers(0, 99, int(x))) for x in ln]
+            sets.append(DeviceWrites(torch.tensor(r), torch.tensor(st), torch.tensor(ln), sources=src,
+                                     host=HostCopies(r, st, ln)))  # fmt: skip
+        else:
+            v = torch.from_numpy(rng.integers(0, 99, int(ln.sum())).astype(np.int32))
+            sets.append(DeviceWrites(torch.tensor(r), torch.tensor(st), torch.tensor(ln), values=v,
+                                     host=HostCopies(r, st, ln)))  # fmt: skip
+    apply_device_writes(table, sets, backend="triton-cuda")
+    expected = apply_device_writes_reference(np.full((60, 12), -1, np.int32), sets)
+    np.testing.assert_array_equal(table.numpy(), expected)
 
 
 def test_a_captured_launch_replays_with_the_device_inputs_of_each_replay():

@@ -121,19 +121,30 @@ def apply_rounds(meta, bounds, num_rounds, num_writes, w_first, w_step, desc_add
 
 
 @triton.jit
-def release_staging(done_addr, token, counter_addr, programs):
-    """Hand staging memory back to the host: the last of this launch's `programs` programs to finish (so every
-    program's reads of the memory are done) stores `token` into its completion word (pinned: no driver call)."""
+def last_to_finish(counter_addr, programs):
+    """Whether this program is the last of this launch's `programs` to get here (so every program's reads of the
+    staging memory are done): an atomic count in the device int32 at `counter_addr`, left at 0 for the next launch
+    (one program: no count)."""
     tl.debug_barrier()
-    done = done_addr.to(tl.pointer_type(tl.int32))
-    if programs == 1:
-        tl.store(done, token, cache_modifier=".wt")
-    else:
-        counter = counter_addr.to(tl.pointer_type(tl.int32))
-        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        last = finished == programs - 1
-        tl.atomic_xchg(counter, 0, mask=last, sem="acq_rel", scope="gpu")
-        tl.store(done, token, mask=last, cache_modifier=".wt")
+    counter = counter_addr.to(tl.pointer_type(tl.int32))
+    multi = programs > 1
+    finished = tl.atomic_add(counter, 1, mask=multi, sem="acq_rel", scope="gpu")
+    last = (programs == 1) | (finished == programs - 1)
+    tl.atomic_xchg(counter, 0, mask=multi & last, sem="acq_rel", scope="gpu")
+    return last
+
+
+@triton.jit
+def hand_back(done_addr, token, last):
+    """Where `last`: store `token` into the completion word at `done_addr` (pinned: no driver call)."""
+    tl.store(done_addr.to(tl.pointer_type(tl.int32)), token, mask=last, cache_modifier=".wt")
+
+
+@triton.jit
+def release_staging(done_addr, token, counter_addr, programs):
+    """Hand staging memory back to the host: the last of this launch's `programs` programs to finish stores `token`
+    into its completion word."""
+    hand_back(done_addr, token, last_to_finish(counter_addr, programs))
 
 
 def compilable(fn, do_not_specialize: tuple[str, ...]) -> triton.runtime.JITFunction:
