@@ -37,6 +37,9 @@ _TILES = {"short": (128, 8), "long": (16, 128), "ordered": (16, 32)}
 #: Writes per scan block (a multiple of every tile's `block_w`): a flat set of at most this many writes is scanned
 #: without flags (kernel docstring).
 SCAN_W = 1024
+#: Column splits of a tile at most: every split of a tile reads its writes (and their address tables over UVA,
+#: where reads of one host line by many programs are served one after the other).
+MAX_SPLITS = 8
 #: Values of one flat source the flag words can count (40 bits).
 MAX_VALUES = (1 << 40) - 1
 _NO_SETS = (0,) * (kernel.ARG_SETS_MAX * _SET_WORDS)
@@ -86,7 +89,7 @@ class DeviceWritesRunner:
             grid0 = splits = 1
         else:
             chunks = (min(bound, table.shape[1]) + block_l - 1) // block_l
-            splits = max(1, min(chunks, self.device.params.max_splits, self.device.max_programs // max(total, 1)))
+            splits = max(1, min(chunks, MAX_SPLITS, self.device.max_programs // max(total, 1)))
             grid0 = max(1, min(total, self.device.max_programs // splits))
         variant = (table.dtype, tile, arg_sets, SCAN_W)
         consts = self._consts.get(variant)

@@ -125,20 +125,21 @@ def block_prefix(flags, state, lengths, wide, n, block, SCAN_W: tl.constexpr):
 
 @triton.jit
 def record_faults(faults, bad, w, s, row, start, length, rows, cols):
-    """Count the bad writes of a tile into the fault record `faults` and, when it held none, describe the first."""
-    nbad = tl.sum(bad.to(tl.int64), axis=0)
-    claim = nbad > 0
-    old = tl.atomic_add(faults, nbad, mask=claim, sem="relaxed", scope="gpu")
-    first = claim & (old == 0)
-    i = tl.min(tl.where(bad, w, 1 << 62), axis=0)
-    pick = w == i
-    tl.store(faults + 1, s.to(tl.int64), mask=first)
-    tl.store(faults + 2, i, mask=first)
-    tl.store(faults + 3, tl.sum(tl.where(pick, row, 0), axis=0), mask=first)
-    tl.store(faults + 4, tl.sum(tl.where(pick, start, 0), axis=0), mask=first)
-    tl.store(faults + 5, tl.sum(tl.where(pick, length, 0), axis=0), mask=first)
-    tl.store(faults + 6, rows, mask=first)
-    tl.store(faults + 7, cols, mask=first)
+    """Count the bad writes of a tile into the fault record `faults` and, when it held none, describe the first
+    (nothing but one reduction for a tile without bad writes)."""
+    nbad = tl.sum(bad.to(tl.int32), axis=0)
+    if nbad > 0:
+        old = tl.atomic_add(faults, nbad.to(tl.int64), sem="relaxed", scope="gpu")
+        first = old == 0
+        i = tl.min(tl.where(bad, w, 1 << 62), axis=0)
+        pick = w == i
+        tl.store(faults + 1, s.to(tl.int64), mask=first)
+        tl.store(faults + 2, i, mask=first)
+        tl.store(faults + 3, tl.sum(tl.where(pick, row, 0), axis=0), mask=first)
+        tl.store(faults + 4, tl.sum(tl.where(pick, start, 0), axis=0), mask=first)
+        tl.store(faults + 5, tl.sum(tl.where(pick, length, 0), axis=0), mask=first)
+        tl.store(faults + 6, rows, mask=first)
+        tl.store(faults + 7, cols, mask=first)
 
 
 def device_writes_kernel_fn(
@@ -205,14 +206,15 @@ def device_writes_kernel_fn(
             block = w0 // SCAN_W
             lo = block * SCAN_W
             excl = block_prefix(state + STATE_WORDS + tile0, state, lengths, (fl >> 2) & 1, n, block, SCAN_W)
-            excl = tl.minimum(excl + counted_sum(lengths, (fl >> 2) & 1, lo, w0, SCAN_W), VALUE_MAX)
+            if w0 > lo:  # the writes of its block before this tile
+                excl = tl.minimum(excl + counted_sum(lengths, (fl >> 2) & 1, lo, w0, SCAN_W), VALUE_MAX)
             offset = excl + tl.cumsum(counted, axis=0) - counted
             end = tl.minimum(lo + SCAN_W, n)
-            last = (w0 + BLOCK_W >= end) & (n > SCAN_W) & (k == 0)  # the last tile of a block of a scanned set
-            epoch = tl.load(state + 2, mask=last, other=0)
-            prefix = tl.minimum(excl + tl.sum(counted, axis=0), VALUE_MAX)
-            tl.atomic_max(state + STATE_WORDS + tile0 + block, ((epoch * 2 + 1) << VALUE_BITS) | prefix, mask=last,
-                          sem="relaxed", scope="gpu")  # fmt: skip
+            if (w0 + BLOCK_W >= end) & (n > SCAN_W) & (k == 0):  # the last tile of a block of a scanned set
+                epoch = tl.load(state + 2)
+                prefix = tl.minimum(excl + tl.sum(counted, axis=0), VALUE_MAX)
+                tl.atomic_max(state + STATE_WORDS + tile0 + block, ((epoch * 2 + 1) << VALUE_BITS) | prefix,
+                              sem="relaxed", scope="gpu")  # fmt: skip
             ok &= offset + length <= count
             base = source + offset * tl.where(code == 1, 8, 4)
         else:  # per-row addresses, and their tensors' sizes where known (word 7: their address, else 0)
