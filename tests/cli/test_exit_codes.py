@@ -295,3 +295,44 @@ def test_an_interrupt_that_is_lost_on_the_way_still_interrupts_the_command(loses
                           timeout=120, preexec_fn=sigint_as_a_terminal_gives_it)  # fmt: skip
     assert done.stdout.split() == ["interrupted", "True"], (done.stdout, done.stderr)
     assert done.stderr == ""  # recorded, not printed as an unraisable exception
+
+
+# A child that swallows an interrupt (as above), the resend that follows held back until `restore()` waits for it to
+# end: when the handlers go back, that interrupt is still pending, and `restore()` takes it itself (else it would
+# surface after the command ended, as a traceback).
+PENDING_AT_RESTORE = """
+import _thread, os, signal, threading, time
+from multiwrite.cli import _Run
+sending, go = threading.Event(), threading.Event()
+interrupt_main = _thread.interrupt_main
+def held_back():  # the resender's send, on its thread
+    sending.set()
+    go.wait()
+    time.sleep(1)  # the main thread is by now in restore(), waiting for this send to end
+    interrupt_main()
+_thread.interrupt_main = held_back
+run = _Run()
+restore = run.watch()
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    pass
+sending.wait()
+go.set()
+try:
+    restore()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        pass
+    print("restored", run.interrupted)
+except KeyboardInterrupt:
+    print("leaked", run.interrupted)
+"""
+
+
+def test_an_interrupt_resent_while_the_handlers_go_back_is_taken_by_them():
+    done = subprocess.run([sys.executable, "-c", PENDING_AT_RESTORE], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120, preexec_fn=sigint_as_a_terminal_gives_it)  # fmt: skip
+    assert done.stdout.split() == ["restored", "True"], (done.stdout, done.stderr)
+    assert done.stderr == ""
