@@ -21,12 +21,11 @@ import importlib.util
 import os
 import sys
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from multiwrite._wheels import locate_files
+from multiwrite._upstream import locate_files, modules_in_place
 
 WHEEL_ENV = "MULTIWRITE_SGLANG_WHEEL"
 SRC_ENV = "MULTIWRITE_SGLANG_SRC"
@@ -154,21 +153,6 @@ def stand_in_modules(settings: Settings) -> dict[str, types.ModuleType]:
     }.items():
         mods[name] = _package(name, **attrs)
     return mods
-
-
-@contextlib.contextmanager
-def modules_in_place(mods: dict[str, types.ModuleType]) -> Iterator[None]:
-    """`mods` in `sys.modules` for the duration; afterwards those names are as they were."""
-    saved = {name: sys.modules.get(name) for name in mods}
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 def _load(name: str, path: Path, mods: dict[str, types.ModuleType]) -> types.ModuleType:

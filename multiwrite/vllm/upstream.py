@@ -18,7 +18,6 @@ paths:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -27,14 +26,13 @@ import os
 import sys
 import tempfile
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from multiwrite._wheels import locate_files
+from multiwrite._upstream import locate_files, modules_in_place
 
 WHEEL_ENV = "MULTIWRITE_VLLM_WHEEL"
 SRC_ENV = "MULTIWRITE_VLLM_SRC"
@@ -210,21 +208,6 @@ def stand_in_modules(device_type: str, uva: bool = False) -> dict[str, types.Mod
     )
     mods["vllm.platforms"] = module("vllm.platforms", current_platform=types.SimpleNamespace(device_type=device_type))
     return mods
-
-
-@contextlib.contextmanager
-def modules_in_place(mods: dict[str, types.ModuleType], also: tuple[str, ...] = ()) -> Iterator[None]:
-    """`mods` in `sys.modules` for the duration; afterwards those names and `also` are as they were."""
-    saved = {name: sys.modules.get(name) for name in (*mods, *also)}
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 def load_modules(source: Path, device_type: str, uva: bool = False) -> tuple[types.ModuleType, types.ModuleType, dict]:

@@ -1,11 +1,16 @@
-"""The files of an upstream project (vLLM's, SGLang's) that an oracle loads, located at run time: in a directory that
-one environment variable names, or read out of the wheel that another names (`locate_files`)."""
+"""What the loaders of upstream code (`multiwrite.vllm.upstream`, `multiwrite.sglang.upstream`) share: the upstream
+files, located at run time in a directory that one environment variable names or read out of the wheel that another
+names (`locate_files`), and the stand-in modules they run with, put in `sys.modules` for a while
+(`modules_in_place`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import types
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 
@@ -44,3 +49,18 @@ def locate_files(
     except zipfile.BadZipFile as e:
         raise error(f"{wheel_env}={wheel}: not a wheel ({e})") from None
     return scratch
+
+
+@contextlib.contextmanager
+def modules_in_place(mods: dict[str, types.ModuleType], also: tuple[str, ...] = ()) -> Iterator[None]:
+    """`mods` in `sys.modules` for the duration; afterwards those names and `also` are as they were."""
+    saved = {name: sys.modules.get(name) for name in (*mods, *also)}
+    sys.modules.update(mods)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
