@@ -8,9 +8,9 @@ plugins (entry-point group `multiwrite`); `select_backend` picks the best one fo
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from multiwrite import _lazy
 from multiwrite.version import __version__
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve lazily (`__getattr__`)
@@ -74,18 +74,7 @@ _LAZY = {
     "apply_device_writes": "multiwrite.device_writes",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'multiwrite' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # resolved once; later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.lazy_names(globals(), _LAZY)
 
 
 __all__ = [

@@ -171,10 +171,10 @@ class _Run:
 
         def restore() -> None:
             self._ended.set()
-            with self._sending:  # no interrupt is sent after this,
-                pass
-            try:  # and one sent before it is taken here, by `on_sigint`
-                for _ in range(3):
+            try:
+                with self._sending:  # no interrupt is sent after this (a send under way ends first),
+                    pass
+                for _ in range(3):  # and one sent before it is taken in here, by `on_sigint`
                     pass
             except KeyboardInterrupt:
                 pass

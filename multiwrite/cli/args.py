@@ -1,5 +1,5 @@
 """What every `multiwrite` subcommand shares: its parser and common options, argument types, exit codes, refusals,
-the progress bar.
+the progress bar, the output files of a run (checked before it, written after it).
 
 The lowest floor of the command line: it imports nothing of multiwrite but `multiwrite.cli.exit_codes` (and nothing
 heavy), so `multiwrite.cli` and every subcommand module build on it without importing each other.
@@ -199,3 +199,67 @@ def refuse_if_too_big(what: str, host_bytes: int, device_bytes: int, device: obj
                 f"{what} needs about {format_bytes(device_bytes)} on {device}; {format_bytes(free)} is free there: "
                 "refused before the run"
             )
+
+
+def output_path_problem(path: str, option: str) -> str | None:
+    """Why `path` cannot be written, or None when it can: checked before the run, so that a typo in
+    `--csv` or `--plot` fails at once instead of after minutes of measuring. Opens the file for appending
+    (which leaves an existing file as it is) and removes it again if it did not exist."""
+    if os.path.isdir(path):
+        return f"{option} {path}: is a directory"
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return f"{option} {path}: cannot write there: {exc.strerror or exc}"
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    return None
+
+
+def plot_format_problem(path: str) -> str | None:
+    """Why matplotlib cannot save a figure to `path` (its extension names no format it knows), or None."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in formats:
+        return f"--plot {path}: matplotlib cannot write .{ext} files (supported: {', '.join(sorted(formats))})"
+    return None
+
+
+def refuse_unwritable_outputs(csv: str | None, plot: str | None) -> None:
+    """Before a run that writes `--csv` `csv` and `--plot` `plot` (None: not asked for): raise `RefusedError` when
+    the plot is asked for without matplotlib, else at the first path that cannot be written (`output_path_problem`)
+    or plot format that matplotlib cannot write (`plot_format_problem`)."""
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RefusedError("--plot needs matplotlib: pip install 'multiwrite[plot]'") from None
+    problems = [output_path_problem(path, option) for path, option in ((csv, "--csv"), (plot, "--plot")) if path]
+    if plot:
+        problems.append(plot_format_problem(plot))
+    for problem in filter(None, problems):
+        raise RefusedError(problem)
+
+
+def write_outputs(
+    report: str,
+    csv: str | None,
+    plot: str | None,
+    write_csv: Callable[[str], object],
+    write_plot: Callable[[str], object],
+) -> None:
+    """After a run: print its terminal `report`, then write the `--csv` file `csv` and the `--plot` figure `plot`
+    where asked for (None: not), through `write_csv(path)` and `write_plot(path)`, each followed by a line naming
+    its path."""
+    print(report)
+    if csv:
+        write_csv(csv)
+        print(f"csv: {csv}")
+    if plot:
+        write_plot(plot)
+        print(f"plot: {plot}")

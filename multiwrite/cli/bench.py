@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING
 
 from multiwrite.cli.args import (
@@ -33,7 +33,9 @@ from multiwrite.cli.args import (
     positive_int,
     progress_bar,
     refuse_if_too_big,
+    refuse_unwritable_outputs,
     show_progress,
+    write_outputs,
 )
 
 if TYPE_CHECKING:
@@ -248,35 +250,6 @@ def ran_interpreted(backend: object) -> bool:
     return "interpreter" in launch_paths(backend)
 
 
-def output_path_problem(path: str, option: str) -> str | None:
-    """Why `path` cannot be written, or None when it can: checked before the run, so that a typo in
-    `--csv` or `--plot` fails at once instead of after minutes of measuring. Opens the file for appending
-    (which leaves an existing file as it is) and removes it again if it did not exist."""
-    if os.path.isdir(path):
-        return f"{option} {path}: is a directory"
-    existed = os.path.lexists(path)
-    try:
-        with open(path, "a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        return f"{option} {path}: cannot write there: {exc.strerror or exc}"
-    if not existed:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-    return None
-
-
-def plot_format_problem(path: str) -> str | None:
-    """Why matplotlib cannot save a figure to `path` (its extension names no format it knows), or None."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    ext = os.path.splitext(path)[1].lower().lstrip(".")
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if ext and ext not in formats:
-        return f"--plot {path}: matplotlib cannot write .{ext} files (supported: {', '.join(sorted(formats))})"
-    return None
-
-
 def check_sizes(opts: BenchOptions, device: torch.device) -> None:
     """Raise `RefusedError` when the run cannot fit: burst block ids beyond int32, or more memory than the
     host (or the device) has."""
@@ -303,7 +276,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.sglang:
         from multiwrite.cli.bench_sglang import cmd_bench_sglang
 
-        return cmd_bench_sglang(args, output_path_problem, plot_format_problem)
+        return cmd_bench_sglang(args)
     import torch
 
     from multiwrite.environment import resolve_device
@@ -316,18 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from multiwrite.bench.groups import BY_GROUP_COUNT
 
     stage_configs = [BY_GROUP_COUNT[n] for n in args.groups or [3]]
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise RefusedError("--plot needs matplotlib: pip install 'multiwrite[plot]'") from None
-    problems = [
-        output_path_problem(path, option) for path, option in ((args.csv, "--csv"), (args.plot, "--plot")) if path
-    ]
-    if args.plot:
-        problems.append(plot_format_problem(args.plot))
-    for problem in filter(None, problems):
-        raise RefusedError(problem)
+    refuse_unwritable_outputs(args.csv, args.plot)
     device = resolve_device(args.device)  # DeviceError: main() reports it, exit code 2
     check_sizes(opts, device)
     from multiwrite.cli.bench_model import model_options, model_plot_path
@@ -354,16 +316,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from multiwrite.bench.plot import write_plot
     from multiwrite.bench.report import terminal_report, write_csv
 
-    print(terminal_report(result))
-    if args.csv:
-        write_csv(result, args.csv)
-        print(f"csv: {args.csv}")
-    if args.plot:
-        write_plot(result, args.plot)
-        print(f"plot: {args.plot}")
-        if result.model is not None:
-            from multiwrite.bench.model_report import write_model_plot
+    write_outputs(terminal_report(result), args.csv, args.plot, partial(write_csv, result), partial(write_plot, result))
+    if args.plot and result.model is not None:
+        from multiwrite.bench.model_report import write_model_plot
 
-            write_model_plot(result.model, result.env, model_plot_path(args.plot))
-            print(f"plot: {model_plot_path(args.plot)}")
+        write_model_plot(result.model, result.env, model_plot_path(args.plot))
+        print(f"plot: {model_plot_path(args.plot)}")
     return 1 if result.failures() else 0

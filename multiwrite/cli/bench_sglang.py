@@ -7,10 +7,18 @@ Imports only argparse and `multiwrite.cli.args` at the top, as `multiwrite.cli.b
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 
-from multiwrite.cli.args import RefusedError, UsageError, int_list, progress_bar, show_progress
+from multiwrite.cli.args import (
+    RefusedError,
+    UsageError,
+    int_list,
+    progress_bar,
+    refuse_unwritable_outputs,
+    show_progress,
+    write_outputs,
+)
 
 SGLANG_HELP = (
     "instead of the rest: time SGLang 0.5.23's page-table writers (its extend writer write_cache_indices, Triton on "
@@ -30,10 +38,8 @@ def add_sglang_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sglang-bs", type=int_list, help="batch sizes of --sglang (1,32,256,1024; --quick: 1,32)")
 
 
-def cmd_bench_sglang(args: argparse.Namespace, output_path_problem: Callable[[str, str], str | None],
-                     plot_format_problem: Callable[[str], str | None]) -> int:  # fmt: skip
-    """Run `bench --sglang`; returns 0 when every table matched and every goal judged was met, else 1. The two
-    checks of output paths are `multiwrite.cli.bench`'s (passed in: that module imports this one).
+def cmd_bench_sglang(args: argparse.Namespace) -> int:
+    """Run `bench --sglang`; returns 0 when every table matched and every goal judged was met, else 1.
 
     Raises:
         UsageError: no step to measure. RefusedError: SGLang's files not found, an output path that cannot be
@@ -41,7 +47,14 @@ def cmd_bench_sglang(args: argparse.Namespace, output_path_problem: Callable[[st
     """
     import torch
 
-    from multiwrite.bench.sglang import BATCH_SIZES, measure_sglang, sglang_source, terminal_report, write_csv
+    from multiwrite.bench.sglang import (
+        BATCH_SIZES,
+        measure_sglang,
+        sglang_source,
+        terminal_report,
+        write_csv,
+        write_plot,
+    )
     from multiwrite.environment import environment, resolve_device
     from multiwrite.sglang.upstream import SglangSourceError
     from multiwrite.workload import load_trace
@@ -51,15 +64,7 @@ def cmd_bench_sglang(args: argparse.Namespace, output_path_problem: Callable[[st
     if warmup >= steps:
         raise UsageError(f"argument --warmup: {warmup} warm-up steps leave none of {steps} steps to measure")
     bss = args.sglang_bs or ([1, 32] if args.quick else list(BATCH_SIZES))
-    problems = [output_path_problem(p, o) for p, o in ((args.csv, "--csv"), (args.plot, "--plot")) if p]
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise RefusedError("--plot needs matplotlib: pip install 'multiwrite[plot]'") from None
-        problems.append(plot_format_problem(args.plot))
-    for problem in filter(None, problems):
-        raise RefusedError(problem)
+    refuse_unwritable_outputs(args.csv, args.plot)
     device = resolve_device(args.device)
     try:
         source = sglang_source()
@@ -76,13 +81,5 @@ def cmd_bench_sglang(args: argparse.Namespace, output_path_problem: Callable[[st
         else:
             result = measure_sglang(trace, device, bss, steps, warmup, args.backend, tick, stamp, environment(device),
                                     source)  # fmt: skip
-    print(terminal_report(result))
-    if args.csv:
-        write_csv(result, args.csv)
-        print(f"csv: {args.csv}")
-    if args.plot:
-        from multiwrite.bench.sglang import write_plot
-
-        write_plot(result, args.plot)
-        print(f"plot: {args.plot}")
+    write_outputs(terminal_report(result), args.csv, args.plot, partial(write_csv, result), partial(write_plot, result))
     return 1 if result.failures() else 0

@@ -1,12 +1,13 @@
 """The plugin contract: the `Backend` base class every backend subclasses, the `WriteBatch` it applies (and the
-columns of `WriteBatch.meta`, `META_TABLE` ... `META_COLUMNS`), and the plans that run a `BlockTables`' jobs
-(`TablesPlan`, `GraphPlan`). The written contract, priority ranges included, is docs/backends.md."""
+columns of `WriteBatch.meta`, `META_TABLE` ... `META_COLUMNS`), the `DeviceWriteSet` it reads, and the plans that run
+a `BlockTables`' jobs (`TablesPlan`, `GraphPlan`). The written contract, priority ranges included, is
+docs/backends.md."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -27,7 +28,6 @@ from multiwrite.staging.layout import (
 )
 
 if TYPE_CHECKING:
-    from multiwrite.device_writes import DeviceWrites
     from multiwrite.stage.layout import TablesLayout
     from multiwrite.stage.step import StepInputs
     from multiwrite.staging.headers import HeaderRing
@@ -134,6 +134,57 @@ class WriteBatch:
         )
 
 
+class DeviceWriteSet(Protocol):
+    """One set of device-sourced writes as `Backend.apply_device_writes` reads it: the part of
+    `multiwrite.device_writes.DeviceWrites` (which builds and checks a set, and documents each field) that a backend
+    may rely on. Write i puts `lengths[i]` values into `table[rows[i], starts[i] : starts[i] + lengths[i]]`.
+
+    Attributes:
+        rows, starts, lengths: `[n]` int32 or int64 tensors on the table's device; `num_writes` is `n`.
+        kind: the source, one of `DEVICE_WRITE_SOURCES`: "values" (`values`, one flat tensor), "tensors" (`sources`,
+            `n` 1-D tensors of `source_dtype`, whose `data_ptr()`s and sizes are `source_addresses` and
+            `source_sizes`, int64 `[n]`) or "addresses" (`sources`, `[n]` device addresses of `source_dtype`).
+        host_arrays: int64 host copies of rows, starts and lengths, or None; with them every write was checked.
+        length_bound: the largest length the host knows of, or None.
+    """
+
+    @property
+    def rows(self) -> torch.Tensor: ...
+
+    @property
+    def starts(self) -> torch.Tensor: ...
+
+    @property
+    def lengths(self) -> torch.Tensor: ...
+
+    @property
+    def num_writes(self) -> int: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def values(self) -> torch.Tensor | None: ...
+
+    @property
+    def sources(self) -> torch.Tensor | Sequence[torch.Tensor] | None: ...
+
+    @property
+    def source_dtype(self) -> torch.dtype | None: ...
+
+    @property
+    def source_addresses(self) -> np.ndarray | None: ...
+
+    @property
+    def source_sizes(self) -> np.ndarray | None: ...
+
+    @property
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None: ...
+
+    @property
+    def length_bound(self) -> int | None: ...
+
+
 class Backend:
     """A way to apply staged writes on some devices. Subclass it and return an instance from the
     `multiwrite_backends` hook of a plugin registered in the `multiwrite` entry-point group.
@@ -218,11 +269,11 @@ class Backend:
         return None
 
     def apply_device_writes(
-        self, table: torch.Tensor, writes: Sequence[DeviceWrites], *, ordered: bool, faults: torch.Tensor | None
+        self, table: torch.Tensor, writes: Sequence[DeviceWriteSet], *, ordered: bool, faults: torch.Tensor | None
     ) -> None:
-        """Apply device-sourced writes (`multiwrite.device_writes.DeviceWrites`, every kind of source in
-        `DEVICE_WRITE_SOURCES`) to the 2-D `table`, on the current stream, without a host synchronization where the
-        backend can (docs/device-writes.md).
+        """Apply device-sourced writes (`DeviceWriteSet`s: `multiwrite.device_writes.DeviceWrites`, every kind of
+        source in `DEVICE_WRITE_SOURCES`) to the 2-D `table`, on the current stream, without a host synchronization
+        where the backend can (docs/device-writes.md).
 
         The caller has checked the structure of every set and, for sets with host copies, every write. `ordered`:
         writes may overlap, and sets in order, writes in index order, the later must win; false guarantees that no

@@ -17,13 +17,13 @@ from multiwrite.capture import is_capturing
 from multiwrite.errors import GraphCaptureError
 
 if TYPE_CHECKING:
-    from multiwrite.device_writes import DeviceWrites
+    from multiwrite.plugins.backend import DeviceWriteSet
 
 #: The source kinds these backends read (`Backend.DEVICE_WRITE_SOURCES`).
 TORCH_DEVICE_WRITE_SOURCES = frozenset({"values", "tensors"})
 
 
-def apply_device_writes_torch(table: torch.Tensor, writes: Sequence[DeviceWrites], ordered: bool,
+def apply_device_writes_torch(table: torch.Tensor, writes: Sequence[DeviceWriteSet], ordered: bool,
                               faults: torch.Tensor | None, backend: str) -> None:  # fmt: skip
     """`Backend.apply_device_writes` with torch ops (module docstring).
 

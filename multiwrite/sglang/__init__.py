@@ -7,8 +7,9 @@ no torch while it is off.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from multiwrite import _lazy
 
 if TYPE_CHECKING:
     from multiwrite.sglang.install import UnsupportedSglangError, alloc_for_decode, install, uninstall
@@ -24,18 +25,7 @@ _LAZY = {
     "write_decode": "multiwrite.sglang.writes",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'multiwrite.sglang' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.lazy_names(globals(), _LAZY)
 
 
 __all__ = [

@@ -21,11 +21,11 @@ import importlib.util
 import os
 import sys
 import types
-import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from multiwrite._upstream import locate_files, modules_in_place
 
 WHEEL_ENV = "MULTIWRITE_SGLANG_WHEEL"
 SRC_ENV = "MULTIWRITE_SGLANG_SRC"
@@ -57,29 +57,9 @@ def configured() -> bool:
 def locate_sources(scratch: Path) -> Path:
     """The directory holding SGLang's three files, extracting them from the wheel into `scratch` when
     `MULTIWRITE_SGLANG_WHEEL` names one. Raises `SglangSourceError` naming the variable and path."""
-    src = os.environ.get(SRC_ENV)
-    if src:
-        missing = [name for name in MEMBERS if not (Path(src) / name).is_file()]
-        if missing:
-            raise SglangSourceError(f"{SRC_ENV}={src}: no {', '.join(missing)} in that directory")
-        return Path(src)
-    wheel = os.environ.get(WHEEL_ENV)
-    if not wheel:
-        raise SglangSourceError(SKIP_REASON)
-    if not Path(wheel).is_file():
-        raise SglangSourceError(f"{WHEEL_ENV}={wheel}: no such file")
-    try:
-        with zipfile.ZipFile(wheel) as whl:
-            names = set(whl.namelist())
-            missing = [member for member in MEMBERS.values() if member not in names]
-            if missing:
-                raise SglangSourceError(f"{WHEEL_ENV}={wheel}: the wheel holds no {', '.join(missing)}")
-            scratch.mkdir(parents=True, exist_ok=True)
-            for name, member in MEMBERS.items():
-                (scratch / name).write_bytes(whl.read(member))
-    except zipfile.BadZipFile as e:
-        raise SglangSourceError(f"{WHEEL_ENV}={wheel}: not a wheel ({e})") from None
-    return scratch
+    return locate_files(
+        MEMBERS, scratch, src_env=SRC_ENV, wheel_env=WHEEL_ENV, unset=SKIP_REASON, error=SglangSourceError
+    )
 
 
 @dataclass
@@ -173,21 +153,6 @@ def stand_in_modules(settings: Settings) -> dict[str, types.ModuleType]:
     }.items():
         mods[name] = _package(name, **attrs)
     return mods
-
-
-@contextlib.contextmanager
-def modules_in_place(mods: dict[str, types.ModuleType]) -> Iterator[None]:
-    """`mods` in `sys.modules` for the duration; afterwards those names are as they were."""
-    saved = {name: sys.modules.get(name) for name in mods}
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 def _load(name: str, path: Path, mods: dict[str, types.ModuleType]) -> types.ModuleType:

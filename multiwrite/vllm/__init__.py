@@ -7,8 +7,9 @@ The names resolve on first use (PEP 562), so that vLLM's plugin entry point (`mu
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from multiwrite import _lazy
 
 if TYPE_CHECKING:
     from multiwrite.vllm.block_tables import BlockCounts, BlockTables, GroupTable
@@ -23,18 +24,7 @@ _LAZY = {
     "uninstall": "multiwrite.vllm.install",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'multiwrite.vllm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy.lazy_names(globals(), _LAZY)
 
 
 __all__ = ["BlockCounts", "BlockTables", "GroupTable", "UnsupportedVllmError", "install", "uninstall"]

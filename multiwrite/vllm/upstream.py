@@ -18,7 +18,6 @@ paths:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -27,13 +26,13 @@ import os
 import sys
 import tempfile
 import types
-import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from multiwrite._upstream import locate_files, modules_in_place
 
 WHEEL_ENV = "MULTIWRITE_VLLM_WHEEL"
 SRC_ENV = "MULTIWRITE_VLLM_SRC"
@@ -62,30 +61,9 @@ def configured() -> bool:
 def locate_sources(scratch: Path) -> Path:
     """The directory holding vLLM's `block_table.py` and `buffer_utils.py`, extracting them from the wheel into
     `scratch` when `MULTIWRITE_VLLM_WHEEL` names one. Raises `VllmSourceError` naming the variable and path."""
-    src = os.environ.get(SRC_ENV)
-    if src:
-        root = Path(src)
-        missing = [name for name in MEMBERS if not (root / name).is_file()]
-        if missing:
-            raise VllmSourceError(f"{SRC_ENV}={src}: no {', '.join(missing)} in that directory")
-        return root
-    wheel = os.environ.get(WHEEL_ENV)
-    if not wheel:
-        raise VllmSourceError(SKIP_REASON)
-    if not Path(wheel).is_file():
-        raise VllmSourceError(f"{WHEEL_ENV}={wheel}: no such file")
-    try:
-        with zipfile.ZipFile(wheel) as whl:
-            names = set(whl.namelist())
-            missing = [member for member in MEMBERS.values() if member not in names]
-            if missing:
-                raise VllmSourceError(f"{WHEEL_ENV}={wheel}: the wheel holds no {', '.join(missing)}")
-            scratch.mkdir(parents=True, exist_ok=True)
-            for name, member in MEMBERS.items():
-                (scratch / name).write_bytes(whl.read(member))
-    except zipfile.BadZipFile as e:
-        raise VllmSourceError(f"{WHEEL_ENV}={wheel}: not a wheel ({e})") from None
-    return scratch
+    return locate_files(
+        MEMBERS, scratch, src_env=SRC_ENV, wheel_env=WHEEL_ENV, unset=SKIP_REASON, error=VllmSourceError
+    )
 
 
 # -- the stand-ins for vLLM's imports ------------------------------------------------------------------------------
@@ -230,21 +208,6 @@ def stand_in_modules(device_type: str, uva: bool = False) -> dict[str, types.Mod
     )
     mods["vllm.platforms"] = module("vllm.platforms", current_platform=types.SimpleNamespace(device_type=device_type))
     return mods
-
-
-@contextlib.contextmanager
-def modules_in_place(mods: dict[str, types.ModuleType], also: tuple[str, ...] = ()) -> Iterator[None]:
-    """`mods` in `sys.modules` for the duration; afterwards those names and `also` are as they were."""
-    saved = {name: sys.modules.get(name) for name in (*mods, *also)}
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 def load_modules(source: Path, device_type: str, uva: bool = False) -> tuple[types.ModuleType, types.ModuleType, dict]:
