@@ -33,13 +33,13 @@ _SET_WORDS = kernel.SET_WORDS.value
 _STATE_WORDS = kernel.STATE_WORDS.value
 _DTYPE_CODE = {torch.int32: 0, torch.int64: 1, torch.float32: 2}
 #: (block_w, block_l) of the tiles: short writes (every length known to be at most 8), long writes, ordered.
-_TILES = {"short": (128, 8), "long": (16, 128), "ordered": (16, 32)}
+_TILES = {"short": (128, 8), "long": (4, 256), "ordered": (16, 32)}
 #: Writes per scan block (a multiple of every tile's `block_w`): a flat set of at most this many writes is scanned
 #: without flags (kernel docstring).
 SCAN_W = 1024
 #: Column splits of a tile at most: every split of a tile reads its writes (and their address tables over UVA,
 #: where reads of one host line by many programs are served one after the other).
-MAX_SPLITS = 8
+MAX_SPLITS = 4
 #: Values of one flat source the flag words can count (40 bits).
 MAX_VALUES = (1 << 40) - 1
 _NO_SETS = (0,) * (kernel.ARG_SETS_MAX * _SET_WORDS)
@@ -82,8 +82,7 @@ class DeviceWritesRunner:
         tiles = [(w.num_writes + block_w - 1) // block_w for w in writes]
         total = sum(tiles)
         arg_sets = len(writes) if len(writes) <= kernel.ARG_SETS_MAX else 0
-        words = (0 if arg_sets else len(writes) * _SET_WORDS) + sum(2 * w.num_writes for w in writes
-                                                                    if w.kind == "tensors")  # fmt: skip
+        words = (0 if arg_sets else len(writes) * _SET_WORDS) + sum(_table_words(w) for w in writes)
         scanned = int(any(w.kind == "values" and w.num_writes > SCAN_W for w in writes))
         if ordered:
             grid0 = splits = 1
@@ -91,14 +90,17 @@ class DeviceWritesRunner:
             chunks = (min(bound, table.shape[1]) + block_l - 1) // block_l
             splits = max(1, min(chunks, MAX_SPLITS, self.device.max_programs // max(total, 1)))
             grid0 = max(1, min(total, self.device.max_programs // splits))
-        variant = (table.dtype, tile, arg_sets, SCAN_W)
+        codes = {_DTYPE_CODE[w.values.dtype if w.kind == "values" else w.source_dtype] for w in writes}  # type: ignore
+        source = codes.pop() if len(codes) == 1 else -1
+        variant = (table.dtype, tile, arg_sets, source, SCAN_W, block_w, block_l)
         consts = self._consts.get(variant)
         if consts is None:
             from multiwrite.backends.triton.device import _TL
 
             np_char = np.dtype(str(table.dtype).removeprefix("torch.")).char
             consts = self._consts[variant] = {"VALUE_DTYPE": _TL[np_char], "BLOCK_W": block_w, "BLOCK_L": block_l,
-                                              "SCAN_W": SCAN_W, "ORDERED": ordered, "ARG_SETS": arg_sets}  # fmt: skip
+                                              "SCAN_W": SCAN_W, "ORDERED": ordered, "ARG_SETS": arg_sets,
+                                              "SOURCE": source}  # fmt: skip
         tail = (table.data_ptr(), table.stride(0), table.stride(1), table.shape[0], table.shape[1], len(writes),
                 total)  # fmt: skip
         fault_addr = (self.unread_faults if faults is None else faults).data_ptr()
@@ -153,6 +155,19 @@ def _bound(writes: Sequence[DeviceWrites], table: torch.Tensor) -> int:
     return bound
 
 
+def _inline(w: DeviceWrites) -> bool:
+    """A set of one per-row tensor whose size the host checked: its address travels in the descriptor itself."""
+    return w.kind == "tensors" and w.num_writes == 1 and w.host_arrays is not None
+
+
+def _table_words(w: DeviceWrites) -> int:
+    """int64 words of a set's address table in host memory: the addresses of per-row tensors, and their sizes where
+    the kernel checks the lengths against them (no host copies)."""
+    if w.kind != "tensors" or _inline(w):
+        return 0
+    return w.num_writes * (1 if w.host_arrays is not None else 2)
+
+
 def _describe(out: np.ndarray | None, writes: Sequence[DeviceWrites], tiles: list[int], arg_sets: int,
               out_addr: int) -> tuple[int, ...]:  # fmt: skip
     """The set descriptors: returned as the launch's `ARG_SETS_MAX * SET_WORDS` descriptor arguments when
@@ -173,11 +188,17 @@ def _describe(out: np.ndarray | None, writes: Sequence[DeviceWrites], tiles: lis
             code, count = _DTYPE_CODE[w.source_dtype], 0  # type: ignore[index]
             if w.kind == "addresses":
                 source = w.sources.data_ptr()  # type: ignore[union-attr]
+            elif _inline(w):
+                flags |= 1 << 6
+                source = int(w.source_addresses[0])  # type: ignore[index]
             else:
                 n = w.num_writes
                 out[tail : tail + n] = w.source_addresses  # type: ignore[index]
-                out[tail + n : tail + 2 * n] = w.source_sizes  # type: ignore[index]
-                source, count, tail = out_addr + 8 * tail, out_addr + 8 * (tail + n), tail + 2 * n
+                source = out_addr + 8 * tail
+                if w.host_arrays is None:  # (with host copies the lengths were checked against the sizes already)
+                    out[tail + n : tail + 2 * n] = w.source_sizes  # type: ignore[index]
+                    count = out_addr + 8 * (tail + n)
+                tail += _table_words(w)
         flags |= code << 4
         described += (w.rows.data_ptr(), w.starts.data_ptr(), w.lengths.data_ptr(), source, w.num_writes, first,
                       flags, count)  # fmt: skip

@@ -47,10 +47,10 @@ STAGE = [
 #: consume kernel variants: (name, DEPTH, NT, LAUNCH_DEPENDENTS): three groups and the default ring, a deep ring of
 #: eight tables, and the variant whose captured stage launch is its programmatic dependent launch
 CONSUME = [("g3", 8, 4, False), ("deep", 16, 8, False), ("g3-pdl", 8, 4, True)]
-#: device-writes kernel variants: (table dtype, tile, sets whose descriptors are arguments) as `DeviceWritesRunner`
-#: launches them
-DEVICE_WRITES = [("int32", "short", 1), ("int32", "long", 2), ("int32", "ordered", 2), ("int64", "long", 0),
-                 ("float32", "long", 1)]  # fmt: skip
+#: device-writes kernel variants as `DeviceWritesRunner` launches them: (table dtype, tile, sets whose descriptors are
+#: arguments, the sources' one dtype code or "m" where they differ)
+DEVICE_WRITES = [("int32", "short", 1, 1), ("int32", "long", 2, 1), ("int32", "ordered", 2, "m"),
+                 ("int64", "long", 0, 0), ("float32", "long", 1, 2), ("int32", "long", 2, "m")]  # fmt: skip
 
 
 def cases() -> list[tuple[str, str, str]]:
@@ -60,7 +60,7 @@ def cases() -> list[tuple[str, str, str]]:
         out += [("apply", f"{d}-{tile}", target) for d in DTYPES for tile in ("main", "decode")]
         out += [("stage", v[0], target) for v in STAGE if not v[-1] or target in PDL_TARGETS]
         out += [("consume", v[0], target) for v in CONSUME if not v[-1] or target in PDL_TARGETS]
-        out += [("device_writes", f"{d}-{tile}-{a}", target) for d, tile, a in DEVICE_WRITES]
+        out += [("device_writes", f"{d}-{tile}-{a}-{c}", target) for d, tile, a, c in DEVICE_WRITES]
     return out
 
 
@@ -108,10 +108,11 @@ def _constants(kernel: str, variant: str, target: str) -> tuple[dict, int]:
     if kernel == "device_writes":
         from multiwrite.backends.triton.device_writes import _TILES, SCAN_W
 
-        dtype, tile, arg_sets = variant.split("-")
+        dtype, tile, arg_sets, code = variant.split("-")
         bw, bl = _TILES[tile]
         return {"VALUE_DTYPE": getattr(tl, dtype), "BLOCK_W": bw, "BLOCK_L": bl, "SCAN_W": SCAN_W,
-                "ORDERED": tile == "ordered", "ARG_SETS": int(arg_sets)}, 4  # fmt: skip
+                "ORDERED": tile == "ordered", "ARG_SETS": int(arg_sets),
+                "SOURCE": -1 if code == "m" else int(code)}, 4  # fmt: skip
     if kernel == "stage":
         ((_, idx, qsl, pos, cp, interleave, padding, gather, slots, writes, window, pdl),) = (
             v for v in STAGE if v[0] == variant
@@ -185,7 +186,7 @@ def specialization_keys(kernel: str, target: str, specialize: bool) -> int:
     mod, fn = _kernel(kernel)
     if specialize:
         fn = triton.runtime.JITFunction(fn.fn)
-    variant = {"apply": "int32-main", "stage": "both-writes", "consume": "g3", "device_writes": "int32-long-2"}[kernel]
+    variant = {"apply": "int32-main", "stage": "both-writes", "consume": "g3", "device_writes": "int32-long-2-1"}[kernel]
     constexprs, warps = _constants(kernel, variant, target)
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget(*TARGETS[target])))
     values = [1, 16, 17, 32, 4104, (1 << 33) + 16, 3, 64 * 1024]

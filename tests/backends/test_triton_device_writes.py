@@ -59,7 +59,7 @@ def test_sets_of_several_scan_blocks_match_the_reference(small_scan_blocks, n, s
     """Flat sets of more than one scan block: each tile's offset is the sum of every earlier write's length, whether
     the flags of the earlier blocks were published (prefixes, sums) or missing (summed by the tile that needs them):
     the interpreter's 8 programs take the tiles 0, 8, 16, ..., so most tiles find the blocks before them unsummed.
-    Long tiles (16 writes), short tiles (128), writes of 0 values between; int64 values into an int64 table; a
+    Long tiles (4 writes), short tiles (128), writes of 0 values between; int64 values into an int64 table; a
     second set after the first (its own blocks), into other rows (a parallel launch) or the same ones (an ordered
     launch: one program, in order, the later write wins)."""
     table = torch.full((2 * n, longest + 5), -1, dtype=torch.int64)
@@ -97,6 +97,28 @@ def test_the_epoch_advances_only_when_flags_were_used_and_its_wrap_clears_them(s
     apply_device_writes(table, big, backend="triton-cuda")  # epoch 1 again: the flags of epoch 1 before are gone
     np.testing.assert_array_equal(table.numpy(), apply_device_writes_reference(np.zeros((300, 25), np.int64), [big]))
     assert sorted(int(s[2]) for s in runner.states)[-1] == 2
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host-copies", "device-only"])
+def test_one_per_row_tensor_travels_in_the_descriptor_and_takes_no_slot(host):
+    """SGLang's extend of one request: a per-row set of one tensor (its address inline when its size was checked on
+    the host) and a flat set: nothing of the launch is in host memory, so no staging slot is taken; without host
+    copies its address (and size) go through the slot as for any number of tensors."""
+    runner = _runner()
+    table = torch.full((4, 10), -1, dtype=torch.int32)
+    prefix = torch.arange(100, 106)
+    r, st, ln = np.array([2]), np.array([0]), np.array([6])
+    copies = (lambda *a: HostCopies(*a)) if host else (lambda *a: None)
+    sets = [DeviceWrites(torch.tensor(r), torch.tensor(st), torch.tensor(ln), sources=[prefix], host=copies(r, st, ln),
+                         may_overlap=False),
+            DeviceWrites(torch.tensor(r), torch.tensor(ln), torch.tensor([3]), values=torch.tensor([7, 8, 9]),
+                         host=copies(r, ln, np.array([3])), may_overlap=False)]  # fmt: skip
+    slot, launches = runner.ring.next, runner.launcher.launches
+    apply_device_writes(table, sets, backend="triton-cuda")
+    assert table[2].tolist() == [100, 101, 102, 103, 104, 105, 7, 8, 9, -1]
+    assert (table[[0, 1, 3]] == -1).all()
+    assert runner.launcher.launches == launches + 1
+    assert (runner.ring.next == slot) == host, "a slot taken (or not) against the launch's host memory"
 
 
 def test_more_sets_than_the_arguments_hold_read_their_descriptors_from_memory():

@@ -44,7 +44,8 @@ DO_NOT_SPECIALIZE = ("sets_addr", "a_rows", "a_starts", "a_lengths", "a_source",
                      "col_stride", "rows", "cols", "num_sets", "num_tiles", "capacity", "scanned")  # fmt: skip
 #: int64 words of one set descriptor: rows, starts, lengths, source (values, or the address table), n, first tile,
 #: flags (bit 0/1/2: rows/starts/lengths are int64; bit 3: per-row addresses; bits 4-5: source dtype: 0 int32,
-#: 1 int64, 2 float32), number of flat values (per-row sources: the address of their sizes, or 0 where unknown).
+#: 1 int64, 2 float32; bit 6: per-row addresses of one write, its address in word 3 itself), number of flat values
+#: (per-row sources: the address of their sizes, or 0 where unknown).
 SET_WORDS: tl.constexpr = tl.constexpr(8)
 #: Sets whose descriptors travel as the launch's arguments (`a_*`, `b_*`); a launch of more reads them from memory.
 ARG_SETS_MAX = 2
@@ -66,14 +67,23 @@ def load_int(addr, w, live, wide):
 
 
 @triton.jit
-def load_values(base, pos, keep, code, VALUE_DTYPE: tl.constexpr):
+def load_values(base, pos, keep, code, VALUE_DTYPE: tl.constexpr, SOURCE: tl.constexpr):
     """Elements `pos` of the sources at byte addresses `base` (one per write), of dtype `code` (0 int32, 1 int64,
-    2 float32), cast to `VALUE_DTYPE` as `Tensor.to` casts."""
-    is64 = (pos[None, :] * 0 + code) == 1
-    v64 = tl.load(base[:, None].to(tl.pointer_type(tl.int64)) + pos[None, :], mask=keep & is64, other=0)
-    v32 = tl.load(base[:, None].to(tl.pointer_type(tl.int32)) + pos[None, :], mask=keep & ~is64, other=0)
-    as_float = v32.to(tl.float32, bitcast=True)
-    return tl.where(code == 2, as_float.to(VALUE_DTYPE), tl.where(is64, v64, v32.to(tl.int64)).to(VALUE_DTYPE))
+    2 float32; `SOURCE`: the one code of every set of the launch, -1 where they differ), cast to `VALUE_DTYPE` as
+    `Tensor.to` casts."""
+    if SOURCE == 1:
+        return tl.load(base[:, None].to(tl.pointer_type(tl.int64)) + pos[None, :], mask=keep, other=0).to(VALUE_DTYPE)
+    elif SOURCE == 0:
+        return tl.load(base[:, None].to(tl.pointer_type(tl.int32)) + pos[None, :], mask=keep, other=0).to(VALUE_DTYPE)
+    elif SOURCE == 2:
+        return tl.load(base[:, None].to(tl.pointer_type(tl.float32)) + pos[None, :], mask=keep,
+                       other=0).to(VALUE_DTYPE)  # fmt: skip
+    else:
+        is64 = (pos[None, :] * 0 + code) == 1
+        v64 = tl.load(base[:, None].to(tl.pointer_type(tl.int64)) + pos[None, :], mask=keep & is64, other=0)
+        v32 = tl.load(base[:, None].to(tl.pointer_type(tl.int32)) + pos[None, :], mask=keep & ~is64, other=0)
+        as_float = v32.to(tl.float32, bitcast=True)
+        return tl.where(code == 2, as_float.to(VALUE_DTYPE), tl.where(is64, v64, v32.to(tl.int64)).to(VALUE_DTYPE))
 
 
 @triton.jit
@@ -168,6 +178,7 @@ def device_writes_kernel_fn(
     SCAN_W: tl.constexpr,
     ORDERED: tl.constexpr,
     ARG_SETS: tl.constexpr,
+    SOURCE: tl.constexpr,
 ):  # fmt: skip
     """Land every set's writes (module docstring)."""
     sets = sets_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
@@ -175,7 +186,7 @@ def device_writes_kernel_fn(
     faults = faults_addr.to(tl.pointer_type(tl.int64))
     dst_base = table_addr.to(tl.pointer_type(VALUE_DTYPE))
     lanes_w = tl.arange(0, BLOCK_W).to(tl.int64)
-    lanes_l = tl.arange(0, BLOCK_L).to(tl.int64)
+    lanes_l = tl.arange(0, BLOCK_L)
     k = tl.program_id(1)
     splits = tl.num_programs(1)
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
@@ -218,17 +229,20 @@ def device_writes_kernel_fn(
             ok &= offset + length <= count
             base = source + offset * tl.where(code == 1, 8, 4)
         else:  # per-row addresses, and their tensors' sizes where known (word 7: their address, else 0)
-            base = tl.load(source.to(tl.pointer_type(tl.int64)) + w, mask=live, other=0)
+            if ((fl >> 6) & 1) != 0:  # one write: its address inline (no read of host memory)
+                base = tl.where(live, source, 0)
+            else:
+                base = tl.load(source.to(tl.pointer_type(tl.int64)) + w, mask=live, other=0)
             known = (w * 0 + count) != 0
             size = tl.load(count.to(tl.pointer_type(tl.int64)) + w, mask=live & known, other=0)
             ok &= ~known | (length <= size)
         ok &= live
         record_faults(faults, live & ~ok, w, s, row, start, length, rows, cols)
-        cells = tl.where(ok, length, 0)
+        cells = tl.where(ok, length, 0).to(tl.int32)  # (a good write ends within its row: below 2^31)
         row = tl.where(ok, row, 0)
-        start = tl.where(ok, start, 0)
+        start = tl.where(ok, start, 0).to(tl.int32)
         dst = dst_base + row * row_stride
-        max_cells = tl.max(cells, axis=0).to(tl.int32)
+        max_cells = tl.max(cells, axis=0)
         for c0 in range(k * BLOCK_L, max_cells, splits * BLOCK_L):
             pos = c0 + lanes_l
             keep = pos[None, :] < cells[:, None]
@@ -238,7 +252,7 @@ def device_writes_kernel_fn(
                 hit = (row[None, None, :] == row[:, None, None]) & (col[:, :, None] >= start[None, None, :])
                 hit &= col[:, :, None] < (start + cells)[None, None, :]
                 keep &= tl.max((hit & later).to(tl.int32), axis=2) == 0
-            v = load_values(base, pos, keep, code, VALUE_DTYPE)
+            v = load_values(base, pos, keep, code, VALUE_DTYPE, SOURCE)
             tl.store(dst[:, None] + col * col_stride, v, mask=keep)
         if ORDERED:
             tl.debug_barrier()
