@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
         RingWaitWarning,
         StagedWriteError,
         StageInputError,
+        TableMovedError,
     )
     from multiwrite.plugins.backend import Backend, GraphPlan, TablesPlan, WriteBatch
     from multiwrite.plugins.dispatch import BackendStatus, available_backends, get_plugin_manager, select_backend
@@ -64,6 +65,7 @@ _LAZY = {
     "RingWaitWarning": "multiwrite.errors",
     "StagedWriteError": "multiwrite.errors",
     "StageInputError": "multiwrite.errors",
+    "TableMovedError": "multiwrite.errors",
     "StagedWriteTensor": "multiwrite.staging.table",
     "FusedStagedWriter": "multiwrite.writer",
     "apply_writes": "multiwrite.writer",
@@ -97,6 +99,7 @@ __all__ = [
     "StageInputError",
     "StagedWriteError",
     "StagedWriteTensor",
+    "TableMovedError",
     "TablesPlan",
     "WriteBatch",
     "__version__",

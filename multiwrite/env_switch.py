@@ -1,4 +1,5 @@
-"""The on/off environment variables of multiwrite's plugin entry points (`MULTIWRITE_VLLM`, `MULTIWRITE_SGLANG`)."""
+"""The on/off environment variables of multiwrite: its plugin entry points' (`MULTIWRITE_VLLM`, `MULTIWRITE_SGLANG`)
+and `BlockTables`' address check at every call (`MULTIWRITE_CHECK_ADDRESSES`)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,25 @@ class StagedWriteError(ValueError):
     """
 
 
+class TableMovedError(StagedWriteError):
+    """A table or output of a `BlockTables` (a group's table, `num_blocks_device`, `input_block_tables[g]`,
+    `slot_mappings`) was re-pointed to other memory without a resize, e.g. by `tensor.data = other`: its `data_ptr()`
+    is not the one it had at construction, where what keeps the addresses of construction (the Triton backends'
+    descriptors, every captured launch) keeps reading and writing. The message names the tensor, both addresses and
+    the call that found it; docs/lifecycle.md says when it is checked. Raised before the call stages, writes or
+    records anything: every staged write stays staged (they land once the tensor points back, `tensor.data =
+    original`).
+
+    Attributes:
+        what: the tensor, as the message names it (`"group 0 of a BlockTables"`).
+        old, new: its address at construction and now.
+    """
+
+    def __init__(self, message: str, what: str = "", old: int = 0, new: int = 0):
+        super().__init__(message)
+        self.what, self.old, self.new = what, old, new
+
+
 class BlockTableWriteError(StagedWriteError, RuntimeError):
     """`multiwrite.vllm.BlockTables.append_block_ids` refused a write (for example one past a row's capacity, naming
     request, group and capacity): a `StagedWriteError` that is also the `RuntimeError` vLLM 0.33's own class raises.

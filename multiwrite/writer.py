@@ -67,9 +67,9 @@ class FusedStagedWriter:
         Raises:
             TypeError: an item is not a `StagedWriteTensor` (the message names its position and type).
             StagedWriteError: a table is on another device than the writer's, was resized below its staged writes,
-                belongs to a `BlockTables` that was resized in place or runs in graph mode, or shares memory with a
-                table of another dtype in the same call. Raised before anything is written; every write stays
-                staged.
+                belongs to a `BlockTables` that was resized in place (re-pointed: `TableMovedError`) or runs in graph
+                mode, or shares memory with a table of another dtype in the same call. Raised before anything is
+                written; every write stays staged.
             GraphCaptureError: the current CUDA stream is capturing a graph; nothing recorded, writes kept.
             BackendError: the backend raised (its exception is the cause); every write of this call stays staged.
             BackendContractError: after the writes landed (nothing stays staged), the backend's `staging_buffers`
@@ -140,8 +140,9 @@ class FusedStagedWriter:
                     raise StagedWriteError(
                         f"{t.name} {arena.refusal}. Nothing was written and every staged write stays staged"
                     )
-                if arena.guard is not None:
+                if arena.guard is not None:  # (a BlockTables' tables: never resized nor re-pointed)
                     arena.guard.check()
+                    arena.guard.check_addresses("FusedStagedWriter.apply")
                 groups[id(arena)] = (arena, [t.index])
             elif t.index not in entry[1]:
                 entry[1].append(t.index)

@@ -18,9 +18,11 @@
  * - VllmStaging: multiwrite.vllm.BlockTables.append_block_ids, straight into its core's BlockIdStaging. Base class
  *   of multiwrite.vllm.BlockTables.
  * - scatter_writes: the compiled-cpu backend's apply.
+ * - Countdown: a counter whose truth test counts (`if countdown:` is true at every period-th test), the periodic
+ *   address check of a BlockTables' preamble (multiwrite/tables/mode.py) at the cost of one C call of nb_bool.
  *
  * Its source is split by type: this file holds the module itself (its functions bind_clock, set_fallbacks and
- * scatter_writes, PyInit) and the module's globals (the staging clock, the Python twin's fallbacks);
+ * scatter_writes, the small type Countdown, PyInit) and the module's globals (the staging clock, the Python twin's fallbacks);
  * _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging, _cstaging_headers.c
  * HeaderRingFields, _cstaging_vllm.c VllmStaging; _cstaging.h what they share (the structs of more than one file, the header ring's layout, the
  * type objects and what they share, the globals and the arena's shared steps, all named mw_* and hidden outside the
@@ -170,6 +172,63 @@ done:
     return result;
 }
 
+/* ---- Countdown ----------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD Py_ssize_t period;
+    Py_ssize_t left;
+} Countdown;
+
+static PyMemberDef countdown_members[] = {
+    {"period", T_PYSSIZET, offsetof(Countdown, period), READONLY, "truth tests per true one"},
+    {"left", T_PYSSIZET, offsetof(Countdown, left), READONLY, "truth tests left until the next true one"},
+    {NULL},
+};
+
+/* One truth test: false while tests are left, then true, and true again at every test until restart(). */
+static int countdown_bool(Countdown *self) {
+    if (self->left > 1) {
+        self->left--;
+        return 0;
+    }
+    self->left = 0;
+    return 1;
+}
+
+static PyObject *countdown_restart(Countdown *self, PyObject *unused) {
+    self->left = self->period;
+    Py_RETURN_NONE;
+}
+
+static int countdown_init(Countdown *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"period", NULL};
+    Py_ssize_t period;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:Countdown", keywords, &period))
+        return -1;
+    if (period < 1) {
+        PyErr_Format(PyExc_ValueError, "Countdown: period must be >= 1, got %zd", period);
+        return -1;
+    }
+    self->period = self->left = period;
+    return 0;
+}
+
+static PyMethodDef countdown_methods[] = {
+    {"restart", (PyCFunction)countdown_restart, METH_NOARGS, "restart(): the next true test is period tests away."},
+    {NULL},
+};
+
+static PyNumberMethods countdown_number = {.nb_bool = (inquiry)countdown_bool};
+
+static PyTypeObject CountdownType = {
+    MW_TYPE_HEAD("Countdown", Countdown, countdown, 0,
+                 "Countdown(period): its truth test is true at every period-th test (and at every test after it "
+                 "until restart()); Python twin: multiwrite.staging.fields.PyCountdown."),
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)countdown_init,
+    .tp_as_number = &countdown_number,
+};
+
 /* ---- the module ---------------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -187,7 +246,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "multiwrite.staging._
 PyMODINIT_FUNC PyInit__cstaging(void) {
     if (PyType_Ready(&mw_LeaseFieldsType) < 0 || PyType_Ready(&mw_ArenaFieldsType) < 0 ||
         PyType_Ready(&mw_BlockIdStagingType) < 0 || PyType_Ready(&mw_HeaderRingFieldsType) < 0 ||
-        PyType_Ready(&mw_VllmStagingType) < 0)
+        PyType_Ready(&mw_VllmStagingType) < 0 || PyType_Ready(&CountdownType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -197,6 +256,7 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
         PyModule_AddObjectRef(m, "BlockIdStaging", (PyObject *)&mw_BlockIdStagingType) < 0 ||
         PyModule_AddObjectRef(m, "HeaderRingFields", (PyObject *)&mw_HeaderRingFieldsType) < 0 ||
         PyModule_AddObjectRef(m, "VllmStaging", (PyObject *)&mw_VllmStagingType) < 0 ||
+        PyModule_AddObjectRef(m, "Countdown", (PyObject *)&CountdownType) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_WORDS", HEADER_WORDS) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_WRITES", INLINE_WRITES) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_VALUES", INLINE_VALUES) < 0 ||

@@ -7,7 +7,8 @@
  * and MW_GC_SLOTS, and helpers defined in _cstaging.c), and the arena's C-level steps that block-id
  * staging and graph mode's publish take (defined in _cstaging_arena.c). Every name shared between files starts with
  * mw_ and stays inside the extension (MW_INTERNAL): PyInit__cstaging remains its only exported symbol. The files:
- * - _cstaging.c: the module (PyInit, bind_clock, set_fallbacks, scatter_writes), the globals, the types' helpers.
+ * - _cstaging.c: the module (PyInit, bind_clock, set_fallbacks, scatter_writes, Countdown), the globals, the
+ *   types' helpers.
  * - _cstaging_arena.c: LeaseFields and ArenaFields.
  * - _cstaging_block_ids.c: BlockIdStaging (append_block_ids, append_block_ids_batch, _bind_staging).
  * - _cstaging_headers.c: HeaderRingFields (publish, commit).

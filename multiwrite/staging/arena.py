@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from multiwrite.errors import StagedWriteError
+from multiwrite.errors import StagedWriteError, TableMovedError
 from multiwrite.staging.fields import CLOCK, ArenaFields, LeaseFields
 from multiwrite.staging.layout import META_COLUMNS, META_LENGTH, META_ROW, META_TABLE, META_VALUE_OFFSET
 
@@ -92,23 +93,29 @@ class StagingBuffers:
 
 
 class LayoutGuard:
-    """The tables of an owner that never resizes them (a `BlockTables`), and the check that they were not
-    resized or `set_` in place since: one read of their shared storage's version counter in the common case.
+    """The tables of an owner that never resizes or moves them (a `BlockTables`): the check that they were not resized
+    or `set_` in place since (`check`: one read of their shared storage's version counter in the common case), and
+    the check that none was re-pointed to other memory (`check_addresses`: one `data_ptr()` each; `tensor.data =
+    other` keeps the version counter, so only the address shows it).
 
     Args:
         tables: `(tensor, what)` pairs, every tensor a view of `base`.
         base: the allocation they are views of.
         why: why they cannot move, for the message.
+        since: what a re-pointing found by `check_addresses` may have cost before it was found, for the message.
     """
 
-    __slots__ = ("tables", "layouts", "base", "version", "why")
+    __slots__ = ("tables", "tensors", "layouts", "addresses", "base", "version", "why", "since")
 
-    def __init__(self, tables: Sequence[tuple[Any, str]], base: Any, why: str = "") -> None:
+    def __init__(self, tables: Sequence[tuple[Any, str]], base: Any, why: str = "", since: str = "") -> None:
         self.tables = list(tables)
-        self.layouts = [_layout(t) for t, _ in self.tables]
+        self.tensors = [t for t, _ in self.tables]
+        self.layouts = [_layout(t) for t in self.tensors]
+        self.addresses = [layout[0] for layout in self.layouts]  # (as `list(map(_PTR, tensors))` reads them)
         self.base = base
         self.version = _version(base)
         self.why = why or "they share one allocation"
+        self.since = since
 
     def check(self) -> None:  # (callers may read `base._version != version` first: the check's own fast path)
         """Raise `StagedWriteError` naming the table and the change if one was resized or moved."""
@@ -121,13 +128,38 @@ class LayoutGuard:
                 change = (
                     f"shape {tuple(layout[1])} -> {tuple(now[1])}" if now[1] != layout[1]
                     else f"strides {layout[2]} -> {now[2]}" if now[2] != layout[2]
-                    else "moved to other memory (set_ or a storage resize)"
+                    else "moved to other memory (set_, a storage resize, or tensor.data = ... and a write)"
                 )  # fmt: skip
                 raise StagedWriteError(
                     f"{what} was resized in place ({change}): it cannot be resized or moved, {self.why}; build a new "
                     "BlockTables with the new sizes. Nothing was written and every staged write stays staged"
                 )
         self.version = version  # written in place by torch ops: same storage, shape and strides
+
+    def check_addresses(self, call: str) -> None:
+        """Raise `TableMovedError` naming the first tensor whose `data_ptr()` is not the one it had at construction,
+        both addresses, and `call` (the method that found it). One `data_ptr()` per tensor when none moved.
+
+        (Only the address: a resize or `set_` in place, which changes the shape or strides, is `check`'s; a tensor
+        re-pointed at its own address with another shape still has the memory the kernels write.)
+        """
+        if list(map(_PTR, self.tensors)) == self.addresses:
+            return
+        for (tensor, what), old in zip(self.tables, self.addresses):
+            new = tensor.data_ptr()
+            if new != old:
+                raise TableMovedError(
+                    f"{call}: {what} was re-pointed to other memory (tensor.data = ... or the like): its address was "
+                    f"{old:#x} at construction and is {new:#x} now (shape {tuple(tensor.shape)}). What keeps the "
+                    f"addresses of construction (the Triton backends' descriptors, every captured launch) keeps "
+                    f"reading and writing the memory at {old:#x}: {self.since}. It cannot be re-pointed, {self.why}. "
+                    "Nothing of this call was staged, written or recorded and every staged write stays staged: point "
+                    "it back (tensor.data = the original tensor) and they land, or build a new BlockTables",
+                    what, old, new,
+                )  # fmt: skip
+
+
+_PTR = torch.Tensor.data_ptr
 
 
 def _layout(t: Any) -> tuple:

@@ -3,8 +3,9 @@ built (`COMPILED`), else these exact Python twins, with the same names and behav
 
 `ArenaFields` holds a staging arena's counters, the addresses and capacities of the memory it stages into (its
 lease), its batch number and its runs on the staging clock; `LeaseFields` one piece of staging memory, with the
-completion word and token of a kernel that reads it in place. The compiled staging (`BlockIdStaging`) and graph
-mode's publish (`HeaderRingFields`) read and write these fields directly.
+completion word and token of a kernel that reads it in place; `Countdown` a counter whose truth test counts (the
+periodic address check of a `BlockTables`' preamble, `multiwrite/tables/mode.py`). The compiled staging
+(`BlockIdStaging`) and graph mode's publish (`HeaderRingFields`) read and write these fields directly.
 """
 
 from __future__ import annotations
@@ -95,12 +96,42 @@ class PyArenaFields:
         CLOCK[0] = self.uid
 
 
+class PyCountdown:
+    """Python twin of `_cstaging.Countdown`: `Countdown(period)`, whose truth test is true at every `period`-th test
+    (and at every test after it until `restart()`); in C one call of `nb_bool`, a few ns.
+
+    Raises:
+        ValueError: `period < 1`.
+    """
+
+    __slots__ = ("period", "left")
+
+    def __init__(self, period: int) -> None:
+        if period < 1:
+            raise ValueError(f"Countdown: period must be >= 1, got {period}")
+        self.period = self.left = period
+
+    def __bool__(self) -> bool:
+        if self.left > 1:
+            self.left -= 1
+            return False
+        self.left = 0
+        return True
+
+    def restart(self) -> None:
+        """The next true test is `period` tests away."""
+        self.left = self.period
+
+
 if _cstaging is not None:
     _cstaging.bind_clock(STAGE_CLOCK)
     ArenaFields: type = _cstaging.ArenaFields
     LeaseFields: type = _cstaging.LeaseFields
+    Countdown: type = _cstaging.Countdown
 else:  # pragma: no cover - depends on the install
     ArenaFields = PyArenaFields
     LeaseFields = PyLeaseFields
+    Countdown = PyCountdown
 
-__all__ = ["CLOCK", "COMPILED", "STAGE_CLOCK", "ArenaFields", "LeaseFields", "PyArenaFields", "PyLeaseFields"]
+__all__ = ["CLOCK", "COMPILED", "STAGE_CLOCK", "ArenaFields", "Countdown", "LeaseFields", "PyArenaFields",
+           "PyCountdown", "PyLeaseFields"]  # fmt: skip

@@ -4,12 +4,14 @@ step's block-table stage (gather, slot mappings), each job one backend call, run
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from multiwrite.capture import refuse_capture, setup_calls
+from multiwrite.env_switch import env_switch
 from multiwrite.errors import BackendUnavailableError
 from multiwrite.plugins import checked
 from multiwrite.plugins.backend import Backend, graph_plan_of, plan_of
@@ -21,12 +23,23 @@ from multiwrite.staging.layout import check_device
 from multiwrite.staging.table import StagedWriteTensor
 from multiwrite.tables.eager import EagerMode
 from multiwrite.tables.graph import GraphMode
-from multiwrite.tables.mode import TablesMode
+from multiwrite.tables.mode import ADDRESS_CHECK_PERIOD, TablesMode
 
 _FIXED = (
     "a BlockTables' tables cannot be replaced or resized: every group's table and num_blocks share one "
     "allocation; build a new BlockTables with the new sizes"
 )
+#: Turns the address check of every call on for every `BlockTables` built while it is on (`multiwrite.env_switch`).
+CHECK_ADDRESSES_ENV = "MULTIWRITE_CHECK_ADDRESSES"
+#: What the calls before an address check that found a re-pointing did, per setting (the error's message).
+_SINCE = {
+    True: "every call before this one was checked (address checks at every call), so none of them ran re-pointed",
+    False: (
+        f"the writes of the calls since the last check (up to {ADDRESS_CHECK_PERIOD - 1}: without "
+        f"check_addresses=True or {CHECK_ADDRESSES_ENV}=1 the check runs at every {ADDRESS_CHECK_PERIOD}th call, "
+        "each capture and refresh_layout) may have gone to that old memory, not to the memory the tensor shows now"
+    ),
+}
 
 
 class BlockTables(BlockIdStaging):
@@ -54,6 +67,11 @@ class BlockTables(BlockIdStaging):
             slot mappings are refused).
         cp_size, cp_rank, cp_interleave: decode context parallelism as vLLM's (keyword; default: none).
         cuda_graphs: graph mode (keyword, default False).
+        check_addresses: keyword: check at every call, before anything is staged or launched, that no table or
+            output was re-pointed to other memory (e.g. `tensor.data = other`): one `data_ptr()` per tensor. Default
+            False: checked at every 64th call, at every capture of graph mode and at `refresh_layout`. Also on for
+            every `BlockTables` built while `$MULTIWRITE_CHECK_ADDRESSES` is on (`1`, `true`, `yes`, `on`).
+            docs/lifecycle.md says what each costs.
 
     Attributes:
         block_tables: one `StagedWriteTensor` per group; `block_tables[g].tensor` is group `g`'s int32 table
@@ -63,6 +81,7 @@ class BlockTables(BlockIdStaging):
         input_block_tables: per group the persistent int32 `[max_num_reqs, width_g]` target of the gather.
         slot_mappings: the persistent int64 `[num_groups, max_num_batched_tokens]`, or None.
         graph: the `GraphMode` with `cuda_graphs=True`, else None.
+        checks_addresses: whether every call checks the addresses (`check_addresses`, or the environment variable).
         block_sizes, kernel_block_sizes, kernel_blocks_per_block, max_num_blocks_per_group, max_num_reqs,
         max_num_batched_tokens, cp_size, cp_rank, cp_interleave: the sizes (see `TablesLayout`).
 
@@ -70,6 +89,8 @@ class BlockTables(BlockIdStaging):
 
     Raises:
         StagedWriteError: sizes that do not fit together (see `TablesLayout.build`).
+        ValueError: `$MULTIWRITE_CHECK_ADDRESSES` is neither on nor off (`multiwrite.env_switch`), before anything is
+            allocated.
         BackendUnavailableError: torch cannot allocate on `device`, no backend can run there (the forced one
             cannot), before anything is allocated; or `cuda_graphs=True` with a backend whose graph mode is missing
             or incomplete, once the tables are built (the constructor raises: nothing is kept).
@@ -99,7 +120,12 @@ class BlockTables(BlockIdStaging):
         slot_mapping_enabled: Sequence[bool] | None = None,
         dcp_sharded: Sequence[bool] | None = None,
         sliding_window_reach: Sequence[int] | None = None,
+        check_addresses: bool = False,
     ):
+        # (read whatever the argument: a value that is neither on nor off is refused, never ignored)
+        env = env_switch(os.environ, CHECK_ADDRESSES_ENV, "multiwrite does not guess whether BlockTables check their "
+                         "addresses at every call")  # fmt: skip
+        self.checks_addresses = bool(check_addresses) or env
         device = check_device(device, "BlockTables")
         refuse_capture(device, "BlockTables(...)")  # (its setup synchronizes: never inside a capture of this thread)
         groups = (slot_mapping_enabled, dcp_sharded, sliding_window_reach)
@@ -143,14 +169,19 @@ class BlockTables(BlockIdStaging):
         outputs = [(t, f"input_block_tables[{g}] of a BlockTables") for g, t in enumerate(layout.input_block_tables)]
         if layout.slot_mappings is not None:
             outputs.append((layout.slot_mappings, "slot_mappings of a BlockTables"))
+        since = _SINCE[self.checks_addresses]
         outputs_guard = LayoutGuard(
-            outputs, layout.outputs_storage, "the outputs of a BlockTables share one allocation that kernels write"
+            outputs,
+            layout.outputs_storage,
+            "the outputs of a BlockTables share one allocation that kernels write",
+            since,
         )
         guard = arena.guard = LayoutGuard(
             [(t, f"group {g} of a BlockTables") for g, t in enumerate(layout.tables)]
             + [(t, "num_blocks of a BlockTables") for t in (layout.counts_table, layout.num_blocks)],
             layout.storage,
             "the tables and num_blocks of a BlockTables share one allocation",
+            since,
         )
         self.num_blocks = np.zeros((G, R), dtype=np.int32)
         applied = np.zeros((G, R), dtype=np.int32)
@@ -176,10 +207,11 @@ class BlockTables(BlockIdStaging):
                     f"{type(plan).__name__}, that does not implement {' and '.join(missing)} (GraphPlan); "
                     "use cuda_graphs=False"
                 )
-            mode: TablesMode = GraphMode(self.backend, plan, *state)
+            mode: TablesMode = GraphMode(self.backend, plan, *state, check_addresses=self.checks_addresses)
             self.graph = mode
         else:
-            mode = EagerMode(self.backend, plan_of(self.backend, layout, arena), *state)
+            mode = EagerMode(self.backend, plan_of(self.backend, layout, arena), *state,
+                             check_addresses=self.checks_addresses)  # fmt: skip
         self._mode = mode
 
     # -- sizes ----------------------------------------------------------------------------------------------------
@@ -381,9 +413,12 @@ class BlockTables(BlockIdStaging):
 
         Raises:
             GraphCaptureError: during a CUDA graph capture.
+            TableMovedError: a table or output was re-pointed to other memory (`tensor.data = ...`): the descriptors
+                would keep its old address; nothing rewritten.
             BackendError: the backend failed to rewrite them.
         """
         refuse_capture(self.device, "BlockTables.refresh_layout")
+        self._mode.check_addresses("BlockTables.refresh_layout")
         self._mode.run(self._mode.plan.refresh)
 
     def prepare_inputs(

@@ -46,8 +46,9 @@ class GraphMode(TablesMode):
     cuda_graphs = True
 
     def __init__(self, backend: Backend, plan: GraphPlan, layout: TablesLayout, arena: StagingArena,
-                 guard: LayoutGuard, outputs: LayoutGuard, *counts: Any) -> None:  # fmt: skip
-        super().__init__(backend, plan, layout, arena, guard, outputs, *counts)
+                 guard: LayoutGuard, outputs: LayoutGuard, *counts: Any,
+                 check_addresses: bool = False) -> None:  # fmt: skip
+        super().__init__(backend, plan, layout, arena, guard, outputs, *counts, check_addresses=check_addresses)
         self.plan: GraphPlan = plan
         self.ring = HeaderRing(plan.header_depth, layout.device)
         self.recordings: list[Any] = []
@@ -199,6 +200,7 @@ class GraphMode(TablesMode):
             GraphCaptureError: a second consume launch in one capture; nothing is recorded.
         """
         if is_capturing(self.layout.device):
+            self.check_addresses(f"BlockTables.{call} (captured)")  # (a graph keeps these addresses for good)
             key = self._consume_key(call)
             self._keep()
             self.plan.consume(self.ring, -1)
@@ -246,6 +248,8 @@ class GraphMode(TablesMode):
         """Capturing: record the stage of `step` (after the consume launch if `consume`). Otherwise: apply first if
         `consume` (as `apply_staged_writes`), then run the stage now. (The preamble checked the layout.)"""
         if is_capturing(self.layout.device):
+            self.check_addresses("BlockTables.prepare_inputs (captured)" if consume
+                                 else "a captured gather or slot-mapping call")  # fmt: skip
             key = self._consume_key("prepare_inputs") if consume else None
             self._keep()
             self.recordings.append((step, self.plan.record_stage(self.ring, step, consume)))

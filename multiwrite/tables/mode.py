@@ -3,11 +3,13 @@
 
 Every public call of the tables but the staging is one method of its mode, and every one of them starts with the
 mode's one preamble, `enter`: the refusals of the mode (eager: a call that would apply during a CUDA graph
-capture) and the layout checks of what the call touches (the tables, the outputs: one read of a version counter
-each when nothing was resized). What a call checks is decided by the mode (per table, at construction), never by a
-test of the mode per call. The stage calls then share one path (`stage_call`): the inputs (`StepInputs`: the
-engine's device inputs in a few attribute reads, anything else checked in full), the job (`launch`, the mode's), and
-the rows of `input_block_tables` the gather leaves non-zero.
+capture), the layout checks of what the call touches (the tables, the outputs: one read of a version counter
+each when nothing was resized) and, every `ADDRESS_CHECK_PERIOD`-th call (every call with `check_addresses`), the
+address check of all of them (`check_addresses`: none re-pointed, e.g. by `tensor.data = other`). What a call
+checks is decided by the mode (per table, at construction), never by a test of the mode per call. The stage calls
+then share one path (`stage_call`): the inputs (`StepInputs`: the engine's device inputs in a few attribute reads,
+anything else checked in full), the job (`launch`, the mode's), and the rows of `input_block_tables` the gather
+leaves non-zero.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from multiwrite.stage.layout import PAD_SLOT_ID, TablesLayout
 from multiwrite.stage.step import StepInputs, check_count
 from multiwrite.stage.torch_stage import run_stage_torch
 from multiwrite.staging.arena import LayoutGuard, StagingArena
+from multiwrite.staging.fields import Countdown
+
+_PTR = torch.Tensor.data_ptr
+#: Calls of the preamble per address check when checking is off (docs/lifecycle.md): a `Countdown`, whose truth test
+#: is one C call (a few ns a call; the Python twin's, where the helper is not built, costs more).
+ADDRESS_CHECK_PERIOD = 64
 
 
 class TablesMode:
@@ -40,6 +48,7 @@ class TablesMode:
         num_blocks, applied, stamps: the host counts as staged, as of the last landed batch, and the batch stamps
             (`multiwrite.staging.block_ids`).
         names: the arena's table names (failures).
+        check_addresses: keyword: check the addresses at every call (else every `ADDRESS_CHECK_PERIOD`-th).
 
     Attributes:
         plan, layout, arena, guard, outputs_guard: as given.
@@ -62,6 +71,8 @@ class TablesMode:
         applied: np.ndarray,
         stamps: np.ndarray,
         names: tuple[str, ...],
+        *,
+        check_addresses: bool = False,
     ) -> None:
         self.backend, self.plan, self.layout, self.arena = backend, plan, layout, arena
         self.guard, self.outputs_guard = guard, outputs
@@ -71,23 +82,45 @@ class TablesMode:
         self._storage, self._outputs = guard.base, outputs.base
         self._gpu = layout.device_index >= 0
         self._dirty_rows = 0  # rows of input_block_tables the last gather (or dummy) may have left non-zero
+        # true at the calls of the preamble that check the addresses
+        self._countdown = Countdown(1 if check_addresses else ADDRESS_CHECK_PERIOD)
+        self._tensors = guard.tensors + outputs.tensors  # (the address check's one pass over both)
+        self._addresses = guard.addresses + outputs.addresses
 
     # -- the preamble -------------------------------------------------------------------------------------------
     def enter(self, call: str, applies: bool, outputs: bool) -> None:
         """The one preamble of every call: a mode that `refuses_capture` refuses a call that applies (`applies`)
-        during a CUDA graph capture; then the tables (with `outputs`, the outputs too) must not have been resized
-        or moved: one read of a version counter each in the common case.
+        during a CUDA graph capture; when the countdown ends (every call with `check_addresses`, else every
+        `ADDRESS_CHECK_PERIOD`-th), `check_addresses`; then the tables (with `outputs`, the outputs too) must not
+        have been resized or moved: one read of a version counter each in the common case.
 
         Raises:
             GraphCaptureError: naming `call` (`"BlockTables.apply_staged_writes"`); nothing changed.
             StagedWriteError: naming the table or output resized or `set_` in place; nothing changed.
+            TableMovedError: naming the table or output re-pointed; nothing changed.
         """
         if applies and self.refuses_capture:
             refuse_capture(self.device, call)
+        if self._countdown:  # (first: a re-pointed tensor written since also fails the version check, less clearly)
+            self.check_addresses(call)
         if self._storage._version != self.guard.version:
             self.guard.check()
         if outputs and self._outputs._version != self.outputs_guard.version:
             self.outputs_guard.check()
+
+    def check_addresses(self, call: str) -> None:
+        """The address check of these tables, the one of every call that makes it (the preamble, a capture, a
+        `refresh_layout`): every table and output (`LayoutGuard.check_addresses`) still at its address of
+        construction. Restarts the countdown of the preamble when it passes (a call it refuses leaves the next call
+        checked too).
+
+        Raises:
+            TableMovedError: naming `call`, the tensor and both addresses; nothing changed.
+        """
+        if list(map(_PTR, self._tensors)) != self._addresses:  # (one pass over both; each guard names what moved)
+            self.guard.check_addresses(call)
+            self.outputs_guard.check_addresses(call)
+        self._countdown.restart()
 
     # -- the jobs of a mode -------------------------------------------------------------------------------------
     def apply(self) -> None:

@@ -81,6 +81,9 @@ class BlockTables(VllmStaging):
             ignored when `cp_size > 1`).
         backend: keyword only: force a multiwrite backend by name.
         cuda_graphs: keyword only: multiwrite's graph mode (`commit_staged_writes` before each replay).
+        check_addresses: keyword only: the core's (check at every call that no table or output was re-pointed, e.g.
+            by `tensor.data = other`); vLLM's runner never passes it: `$MULTIWRITE_CHECK_ADDRESSES=1` turns it on
+            there (docs/lifecycle.md).
         defer_apply: keyword only, deprecated and without effect (a DeprecationWarning when given):
             `apply_staged_writes()` always applies at once.
 
@@ -93,7 +96,8 @@ class BlockTables(VllmStaging):
         `has_sliding_window_groups`; and `core`, the multiwrite `BlockTables` (None without groups).
 
     Raises:
-        StagedWriteError: sizes that do not fit together; BackendUnavailableError: no backend for `device`.
+        StagedWriteError: sizes that do not fit together; BackendUnavailableError: no backend for `device`;
+        ValueError: `$MULTIWRITE_CHECK_ADDRESSES` neither on nor off.
     """
 
     #: True on an instance: every staged id lands as the null block 0 (vLLM's elastic-EP warmup sets it).
@@ -115,6 +119,7 @@ class BlockTables(VllmStaging):
         *,
         backend: str | None = None,
         cuda_graphs: bool = False,
+        check_addresses: bool = False,
         defer_apply: bool | None = None,
     ):
         if defer_apply is not None:
@@ -145,7 +150,7 @@ class BlockTables(VllmStaging):
                 block_sizes, max_num_reqs, max_num_blocks_per_group, self.device, backend=backend,
                 max_num_batched_tokens=max_num_batched_tokens, cp_size=cp_size, cp_rank=cp_rank,
                 cp_interleave=cp_interleave, cuda_graphs=cuda_graphs, slot_mapping_enabled=enabled,
-                dcp_sharded=sharded, sliding_window_reach=reach,
+                dcp_sharded=sharded, sliding_window_reach=reach, check_addresses=check_addresses,
             )  # fmt: skip
             self._tables = [GroupTable(t.tensor) for t in self.core.block_tables]
             self._counts = BlockCounts(self.core.num_blocks, self.core.num_blocks_device)

@@ -12,6 +12,7 @@ import multiwrite.errors
 ERRORS = {
     "StagedWriteError": ValueError,
     "StageInputError": ValueError,
+    "TableMovedError": ValueError,
     "BlockTableWriteError": RuntimeError,
     "BackendUnavailableError": RuntimeError,
     "BackendError": RuntimeError,

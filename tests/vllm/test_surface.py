@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from multiwrite import StageInputError
+from multiwrite import StageInputError, TableMovedError
 from multiwrite.vllm import BlockTables
 from tests.support.tables import host
 
@@ -215,3 +215,23 @@ def test_a_refused_append_to_a_bad_row_stages_nothing(backend):
     assert bt.core.num_staged_writes == staged and bt.num_blocks.np.sum() == 2
     bt.apply_staged_writes()
     assert host(bt.gather_block_tables(vec([0], backend.device), 1)[0]).tolist() == [[1, 0, 0, 0]]
+
+
+def test_check_addresses_is_passed_to_the_core_and_a_re_pointed_table_is_refused_naming_its_group(backend, monkeypatch):
+    monkeypatch.delenv("MULTIWRITE_CHECK_ADDRESSES", raising=False)
+    bt = tables(backend, check_addresses=True)
+    assert bt.core.checks_addresses and not tables(backend).core.checks_addresses
+    bt.append_block_ids(1, ([4, 5], [6]), True)
+    gpu = bt.block_tables[1].gpu
+    saved, old = gpu.data, gpu.data_ptr()
+    gpu.data = torch.zeros_like(gpu)
+    with pytest.raises(TableMovedError, match=rf"^BlockTables.apply_staged_writes: group 1 of a BlockTables was "
+                                              rf"re-pointed to other memory .*its address was {old:#x}"):  # fmt: skip
+        bt.apply_staged_writes()
+    with pytest.raises(TableMovedError, match="BlockTables.refresh_layout: group 1"):  # (also with checking off)
+        bt.init_block_table_layout_tensors()
+    gpu.data = saved
+    assert bt.core.num_staged_writes == 3
+    bt.apply_staged_writes()
+    out = bt.gather_block_tables(vec([1], backend.device), 1)
+    assert host(out[0]).tolist() == [[4, 5, 0, 0]] and host(out[1]).tolist() == [[6, 0]]
