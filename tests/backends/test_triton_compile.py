@@ -186,7 +186,8 @@ def specialization_keys(kernel: str, target: str, specialize: bool) -> int:
     mod, fn = _kernel(kernel)
     if specialize:
         fn = triton.runtime.JITFunction(fn.fn)
-    variant = {"apply": "int32-main", "stage": "both-writes", "consume": "g3", "device_writes": "int32-long-2-1"}[kernel]
+    variant = {"apply": "int32-main", "stage": "both-writes", "consume": "g3",
+               "device_writes": "int32-long-2-1"}[kernel]  # fmt: skip
     constexprs, warps = _constants(kernel, variant, target)
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget(*TARGETS[target])))
     values = [1, 16, 17, 32, 4104, (1 << 33) + 16, 3, 64 * 1024]
