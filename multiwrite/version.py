@@ -1,3 +1,3 @@
 """The version of multiwrite: written here once (pyproject.toml reads it; `multiwrite.__version__` re-exports it)."""
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"
