@@ -226,7 +226,9 @@ def device_writes_kernel_fn(
                 prefix = tl.minimum(excl + tl.sum(counted, axis=0), VALUE_MAX)
                 tl.atomic_max(state + STATE_WORDS + tile0 + block, ((epoch * 2 + 1) << VALUE_BITS) | prefix,
                               sem="relaxed", scope="gpu")  # fmt: skip
-            ok &= offset + length <= count
+            # (`fits` leaves the branch as an int32: a boolean yielded from it would need a move to another layout,
+            # which Triton 3.6 cannot lower for AMD targets)
+            fits = (offset + length <= count).to(tl.int32)
             base = source + offset * tl.where(code == 1, 8, 4)
         else:  # per-row addresses, and their tensors' sizes where known (word 7: their address, else 0)
             if ((fl >> 6) & 1) != 0:  # one write: its address inline (no read of host memory)
@@ -235,8 +237,8 @@ def device_writes_kernel_fn(
                 base = tl.load(source.to(tl.pointer_type(tl.int64)) + w, mask=live, other=0)
             known = (w * 0 + count) != 0
             size = tl.load(count.to(tl.pointer_type(tl.int64)) + w, mask=live & known, other=0)
-            ok &= ~known | (length <= size)
-        ok &= live
+            fits = (~known | (length <= size)).to(tl.int32)
+        ok &= live & (fits != 0)
         record_faults(faults, live & ~ok, w, s, row, start, length, rows, cols)
         cells = tl.where(ok, length, 0).to(tl.int32)  # (a good write ends within its row: below 2^31)
         row = tl.where(ok, row, 0)
