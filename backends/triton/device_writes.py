@@ -110,7 +110,8 @@ class DeviceWritesRunner:
             return
         if not words and not scanned:
             sets = _describe(None, writes, tiles, arg_sets, 0)
-            args = (0, *sets, self.noop_state.data_ptr(), fault_addr, 0, 0, 0, *tail, 0, 0)
+            state = self.noop_state  # (never read: nothing scanned)
+            args = (*_lead(0, sets, state, fault_addr), 0, 0, 0, *_tail(tail, state, scanned))
             self.launcher.launch(variant, consts, grid0, splits, args)
             return
         with self.device.lock:
@@ -124,8 +125,8 @@ class DeviceWritesRunner:
                 self.ring.release(lease)
                 raise
             self.device.launch_on(lease, self.launcher, variant, consts, grid0, splits,
-                                  (lease.values_addr, *sets, state.data_ptr(), fault_addr),
-                                  (*tail, state.shape[0] - _STATE_WORDS, scanned), (writes, state))  # fmt: skip
+                                  _lead(lease.values_addr, sets, state, fault_addr), _tail(tail, state, scanned),
+                                  (writes, state))  # fmt: skip
 
     def _captured_launch(self, writes, tiles, words, arg_sets, scanned, variant, consts, grid, fault_addr,
                          tail) -> None:  # fmt: skip
@@ -139,9 +140,21 @@ class DeviceWritesRunner:
         counter = torch.zeros(1, dtype=torch.int32, device=device.device)
         sets = _describe(desc.numpy()[:words], writes, tiles, arg_sets, desc.data_ptr())
         self.captured.append((desc, word, state, counter, writes))
-        args = (desc.data_ptr(), *sets, state.data_ptr(), fault_addr, counter.data_ptr(), word.data_ptr(), 1, *tail,
-                state.shape[0] - _STATE_WORDS, scanned)  # fmt: skip
+        args = (*_lead(desc.data_ptr(), sets, state, fault_addr), counter.data_ptr(), word.data_ptr(), 1,
+                *_tail(tail, state, scanned))
         self.launcher.launch(variant, consts, *grid, args, jit=device.is_gpu)
+
+
+def _lead(sets_addr: int, sets: tuple[int, ...], state: torch.Tensor, fault_addr: int) -> tuple[int, ...]:
+    """The kernel's arguments before the completion counter, word and token: the memory of the descriptors and
+    address tables, the descriptor arguments, the scan state, the fault record."""
+    return (sets_addr, *sets, state.data_ptr(), fault_addr)
+
+
+def _tail(tail: tuple, state: torch.Tensor, scanned: int) -> tuple:
+    """The kernel's arguments after the token: the table's and the launch's (`tail`), the flags' capacity of
+    `state`, whether flags are used."""
+    return (*tail, state.shape[0] - _STATE_WORDS, scanned)
 
 
 def _bound(writes: Sequence[DeviceWrites], table: torch.Tensor) -> int:
