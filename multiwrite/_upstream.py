@@ -10,8 +10,9 @@ import os
 import sys
 import types
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
+from typing import Any
 
 
 def locate_files(
@@ -51,16 +52,28 @@ def locate_files(
     return scratch
 
 
+def _put(target: MutableMapping[str, Any], values: Mapping[str, Any]) -> None:
+    for name, value in values.items():
+        if value is None:
+            target.pop(name, None)
+        else:
+            target[name] = value
+
+
 @contextlib.contextmanager
-def modules_in_place(mods: dict[str, types.ModuleType], also: tuple[str, ...] = ()) -> Iterator[None]:
-    """`mods` in `sys.modules` for the duration; afterwards those names and `also` are as they were."""
-    saved = {name: sys.modules.get(name) for name in (*mods, *also)}
-    sys.modules.update(mods)
+def entries_in_place(target: MutableMapping[str, Any], values: Mapping[str, Any], also: tuple[str, ...] = ()
+                     ) -> Iterator[None]:  # fmt: skip
+    """`values` in `target` for the duration (a value of None: the entry removed); afterwards those names and `also`
+    are as they were."""
+    saved = {name: target.get(name) for name in (*values, *also)}
+    _put(target, values)
     try:
         yield
     finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
+        _put(target, saved)
+
+
+def modules_in_place(mods: dict[str, types.ModuleType], also: tuple[str, ...] = ()
+                     ) -> contextlib.AbstractContextManager[None]:  # fmt: skip
+    """`mods` in `sys.modules` for the duration; afterwards those names and `also` are as they were."""
+    return entries_in_place(sys.modules, mods, also)

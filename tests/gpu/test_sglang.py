@@ -35,41 +35,37 @@ def _kernels(fn) -> int:
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())  # fmt: skip
 
 
-@pytest.mark.parametrize("bs", [1, 32, 256, 1024])
-def test_extend_equals_sglangs_triton_kernel_on_the_gpu(upstream, device, backend_name, bs):
+def _check_extend(upstream, device, backend_name, rng, bs, rows, width, **batch_options):
+    """One random extend batch of `bs` requests into pools of `rows` rows (+1) and `width` columns, written by SGLang's
+    kernel and by `write_cache_indices`: the tables must be equal."""
     from multiwrite.sglang import write_cache_indices
     from tests.sglang.batches import extend_batch, random_table
 
+    theirs, ours = upstream.pool(rows, width, device), upstream.pool(rows, width, device)
+    theirs.req_to_token.copy_(random_table(rng, rows + 1, width, device))
+    ours.req_to_token.copy_(theirs.req_to_token)
+    batch = extend_batch(rng, device, bs, rows, width, **batch_options)
+    with upstream.active():
+        upstream.allocation.write_cache_indices(*batch.args(), theirs)
+    write_cache_indices(*batch.args(), ours, backend=backend_name)
+    torch.cuda.synchronize()
+    assert torch.equal(ours.req_to_token, theirs.req_to_token)
+
+
+@pytest.mark.parametrize("bs", [1, 32, 256, 1024])
+def test_extend_equals_sglangs_triton_kernel_on_the_gpu(upstream, device, backend_name, bs):
     rng = np.random.default_rng(bs)
     for _ in range(20):
         width = int(rng.integers(1, 4096))
-        theirs, ours = upstream.pool(bs + 3, width, device), upstream.pool(bs + 3, width, device)
-        theirs.req_to_token.copy_(random_table(rng, bs + 4, width, device))
-        ours.req_to_token.copy_(theirs.req_to_token)
-        batch = extend_batch(rng, device, bs, bs + 3, width, empty_prefix=upstream.allocation._EMPTY_PREFIX)
-        with upstream.active():
-            upstream.allocation.write_cache_indices(*batch.args(), theirs)
-        write_cache_indices(*batch.args(), ours, backend=backend_name)
-        torch.cuda.synchronize()
-        assert torch.equal(ours.req_to_token, theirs.req_to_token)
+        _check_extend(upstream, device, backend_name, rng, bs, bs + 3, width,
+                      empty_prefix=upstream.allocation._EMPTY_PREFIX)  # fmt: skip
 
 
 def test_extend_with_prefixes_up_to_100k_on_the_gpu(upstream, device, backend_name):
-    from multiwrite.sglang import write_cache_indices
-    from tests.sglang.batches import extend_batch, random_table
-
     rng = np.random.default_rng(100)
     for _ in range(10):
         bs, width = int(rng.integers(1, 17)), 100_000 + int(rng.integers(0, 2048))
-        theirs, ours = upstream.pool(bs, width, device), upstream.pool(bs, width, device)
-        theirs.req_to_token.copy_(random_table(rng, bs + 1, width, device))
-        ours.req_to_token.copy_(theirs.req_to_token)
-        batch = extend_batch(rng, device, bs, bs, width, max_prefix=100_000)
-        with upstream.active():
-            upstream.allocation.write_cache_indices(*batch.args(), theirs)
-        write_cache_indices(*batch.args(), ours, backend=backend_name)
-        torch.cuda.synchronize()
-        assert torch.equal(ours.req_to_token, theirs.req_to_token)
+        _check_extend(upstream, device, backend_name, rng, bs, bs, width, max_prefix=100_000)
 
 
 def test_each_writer_is_one_launch(upstream, device, backend_name):

@@ -22,17 +22,8 @@ def fetch_wheel(dest: Path, cache: Path | None = None) -> Path:
 
 def extract(wheel: Path, dest: Path) -> Path:
     """Copy the three files out of `wheel` into `dest` (for `MULTIWRITE_SGLANG_SRC` on a machine without network)."""
-    import os
-
-    old = os.environ.get(WHEEL_ENV)
-    os.environ[WHEEL_ENV] = str(wheel)
-    try:
+    with wheels.environment({WHEEL_ENV: str(wheel)}):
         return locate_sources(dest)
-    finally:
-        if old is None:
-            os.environ.pop(WHEEL_ENV, None)
-        else:
-            os.environ[WHEEL_ENV] = old
 
 
 USAGE = f"""usage: python -m tests.sglang.oracle fetch DEST.whl      SGLang {VERSION}'s wheel at DEST.whl unless
@@ -41,13 +32,4 @@ USAGE = f"""usage: python -m tests.sglang.oracle fetch DEST.whl      SGLang {VER
        python -m tests.sglang.oracle extract WHEEL DIR    copy {', '.join(MEMBERS)} into DIR"""
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    try:
-        if len(args) == 2 and args[0] == "fetch":
-            print(fetch_wheel(Path(args[1])))
-        elif len(args) == 3 and args[0] == "extract":
-            print(extract(Path(args[1]), Path(args[2])))
-        else:
-            sys.exit(USAGE)
-    except SglangSourceError as e:
-        sys.exit(str(e))
+    wheels.oracle_main(sys.argv[1:], fetch_wheel, extract, USAGE, (SglangSourceError,))

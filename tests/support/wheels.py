@@ -4,6 +4,7 @@ the download beside each, and linked into a tox env's directory."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -11,8 +12,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from multiwrite._upstream import entries_in_place
 
 
 def cache_dir() -> Path:
@@ -84,3 +87,24 @@ def fetch_wheel(dest: Path, package: str, version: str, members: Iterable[str], 
         shutil.copyfile(cached, partial)
     os.replace(partial, dest)
     return dest
+
+
+def environment(values: dict[str, str | None]) -> contextlib.AbstractContextManager[None]:
+    """Set (a string) or unset (None) the environment variables of `values`, restored on exit."""
+    return entries_in_place(os.environ, values)
+
+
+def oracle_main(argv: list[str], fetch: Callable[[Path], Path], extract: Callable[[Path, Path], Path], usage: str,
+                errors: tuple[type[Exception], ...] = ()) -> None:  # fmt: skip
+    """The command line of an oracle module (`python -m tests.vllm.oracle ...`): `fetch DEST.whl` prints
+    `fetch(DEST.whl)`, `extract WHEEL DIR` prints `extract(WHEEL, DIR)`; anything else exits with `usage`, and an
+    exception of `errors` exits with its message."""
+    try:
+        if len(argv) == 2 and argv[0] == "fetch":
+            print(fetch(Path(argv[1])))
+        elif len(argv) == 3 and argv[0] == "extract":
+            print(extract(Path(argv[1]), Path(argv[2])))
+        else:
+            sys.exit(usage)
+    except errors as e:
+        sys.exit(str(e))

@@ -24,7 +24,6 @@ this is exact, and it changes nothing on a GPU (the interpreter is not used ther
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import types
 from collections.abc import Iterator
@@ -177,17 +176,8 @@ def fetch_wheel(dest: Path, cache: Path | None = None) -> Path:
 def extract(wheel: Path, dest: Path) -> Path:
     """Copy the two files out of `wheel` into `dest` (a directory for `MULTIWRITE_VLLM_SRC` on a machine without
     network); returns `dest`."""
-    old = os.environ.get(WHEEL_ENV), os.environ.get(SRC_ENV)
-    os.environ[WHEEL_ENV] = str(wheel)
-    os.environ.pop(SRC_ENV, None)
-    try:
+    with wheels.environment({WHEEL_ENV: str(wheel), SRC_ENV: None}):
         return locate_sources(dest)
-    finally:
-        for name, value in zip((WHEEL_ENV, SRC_ENV), old):
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 USAGE = """usage: python -m tests.vllm.oracle fetch DEST.whl      vLLM 0.33.0's wheel at DEST.whl unless it exists,
@@ -195,10 +185,4 @@ USAGE = """usage: python -m tests.vllm.oracle fetch DEST.whl      vLLM 0.33.0's 
        python -m tests.vllm.oracle extract WHEEL DIR    copy block_table.py and buffer_utils.py into DIR"""
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if len(args) == 2 and args[0] == "fetch":
-        print(fetch_wheel(Path(args[1])))
-    elif len(args) == 3 and args[0] == "extract":
-        print(extract(Path(args[1]), Path(args[2])))
-    else:
-        sys.exit(USAGE)
+    wheels.oracle_main(sys.argv[1:], fetch_wheel, extract, USAGE)
