@@ -17,7 +17,7 @@ import torch
 
 from multiwrite.errors import StagedWriteError
 from multiwrite.plugins.backend import Backend, WriteBatch, remember
-from multiwrite.plugins.device_writes_torch import TORCH_DEVICE_WRITE_SOURCES, apply_device_writes_torch
+from multiwrite.plugins.device_writes_torch import TorchDeviceWrites
 from multiwrite.plugins.hookspecs import hookimpl
 from multiwrite.staging.layout import SUPPORTED_DTYPES, dtype_name
 
@@ -33,7 +33,7 @@ _DTYPE = torch.Tensor.dtype.__get__
 DESCRIPTOR_CACHE_SIZE = 64
 
 
-class CompiledCpuBackend(Backend):
+class CompiledCpuBackend(TorchDeviceWrites, Backend):
     """Applies batches to CPU tensors with one C call per batch (row copies in staging order).
 
     Shared by every writer (a module-level singleton): the descriptor cache is read without a lock (one
@@ -47,7 +47,6 @@ class CompiledCpuBackend(Backend):
     NAME = "compiled-cpu"
     PRIORITY = 10
     SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
-    DEVICE_WRITE_SOURCES = TORCH_DEVICE_WRITE_SOURCES
 
     def __init__(self) -> None:
         # (dtype, data_ptr, shape, stride of every table) -> (int64 [num_tables, 5] descriptors, numpy
@@ -103,10 +102,6 @@ class CompiledCpuBackend(Backend):
                     scatter_writes(meta, values, descriptors, check_only)
                 except ValueError as exc:  # a write outside its table: the C helper checks before writing
                     raise StagedWriteError(f"{self.NAME} ({dtype_name(dtype)} tables): {exc}") from None
-
-    def apply_device_writes(self, table, writes, *, ordered, faults) -> None:
-        """`Backend.apply_device_writes` with torch ops (`multiwrite.plugins.device_writes_torch`)."""
-        apply_device_writes_torch(table, writes, ordered, faults, self.NAME)
 
 
 _BACKEND = CompiledCpuBackend()

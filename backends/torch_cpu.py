@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from multiwrite.plugins.backend import Backend, WriteBatch, remember
-from multiwrite.plugins.device_writes_torch import TORCH_DEVICE_WRITE_SOURCES, apply_device_writes_torch
+from multiwrite.plugins.device_writes_torch import TorchDeviceWrites
 from multiwrite.plugins.hookspecs import hookimpl
 from multiwrite.staging.layout import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
 
@@ -109,7 +109,7 @@ def scatter_indices(
     return dst, values[np.repeat(offsets - first, cells) + ar]
 
 
-class TorchCpuBackend(Backend):
+class TorchCpuBackend(TorchDeviceWrites, Backend):
     """Applies batches to CPU tensors with one vectorized scatter per storage. Any number of tables.
 
     Shared by every writer (a module-level singleton): the plan cache is read without a lock (one dict
@@ -124,7 +124,6 @@ class TorchCpuBackend(Backend):
     NAME = "torch-cpu"
     PRIORITY = 0
     SUPPORTED_DEVICE_TYPES = frozenset({"cpu"})
-    DEVICE_WRITE_SOURCES = TORCH_DEVICE_WRITE_SOURCES
 
     def __init__(self) -> None:
         self._plans: dict[tuple, _Plan] = {}  # plan_key -> _Plan, at most PLAN_CACHE_SIZE, oldest first
@@ -161,10 +160,6 @@ class TorchCpuBackend(Backend):
                     keep = dst.shape[0] - 1 - first_in_reversed
                     dst, value = dst[keep], value[keep]
                 view[dst] = value
-
-    def apply_device_writes(self, table, writes, *, ordered, faults) -> None:
-        """`Backend.apply_device_writes` with torch ops (`multiwrite.plugins.device_writes_torch`)."""
-        apply_device_writes_torch(table, writes, ordered, faults, self.NAME)
 
 
 _BACKEND = TorchCpuBackend()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from multiwrite.plugins.backend import Backend, WriteBatch
-from multiwrite.plugins.device_writes_torch import TORCH_DEVICE_WRITE_SOURCES, apply_device_writes_torch
+from multiwrite.plugins.device_writes_torch import TorchDeviceWrites
 from multiwrite.plugins.hookspecs import hookimpl
 from multiwrite.staging.layout import META_LENGTH, META_ROW, META_START, META_TABLE, META_VALUE_OFFSET
 
@@ -34,14 +34,13 @@ from multiwrite.staging.layout import META_LENGTH, META_ROW, META_START, META_TA
 _NO_DATA_DEVICE_TYPES = frozenset({"meta"})
 
 
-class TorchGenericBackend(Backend):
+class TorchGenericBackend(TorchDeviceWrites, Backend):
     """Applies batches on any torch device with device-side index arithmetic and one `index_put_` per
     storage. Lowest built-in priority (-100)."""
 
     NAME = "torch-generic"
     PRIORITY = -100
     SUPPORTED_DEVICE_TYPES = frozenset()  # every type but those in _NO_DATA_DEVICE_TYPES
-    DEVICE_WRITE_SOURCES = TORCH_DEVICE_WRITE_SOURCES
 
     def not_supported_reasons(self, device: torch.device, dtypes: Iterable[torch.dtype] = ()) -> list[str]:
         """Any device type but `meta`; the dtypes multiwrite stages."""
@@ -81,10 +80,6 @@ class TorchGenericBackend(Backend):
                     part = meta[np.isin(meta[:, META_TABLE], members)]
                     if part.shape[0]:
                         _scatter(batch, part, members)
-
-    def apply_device_writes(self, table, writes, *, ordered, faults) -> None:
-        """`Backend.apply_device_writes` with torch ops (`multiwrite.plugins.device_writes_torch`)."""
-        apply_device_writes_torch(table, writes, ordered, faults, self.NAME)
 
 
 def _device_type_available(device_type: str) -> bool:

@@ -23,6 +23,19 @@ if TYPE_CHECKING:
 TORCH_DEVICE_WRITE_SOURCES = frozenset({"values", "tensors"})
 
 
+class TorchDeviceWrites:
+    """The device-sourced writes of a backend by torch ops: put it before `Backend` in the backend's bases; it
+    declares `TORCH_DEVICE_WRITE_SOURCES` and applies them with `apply_device_writes_torch` (module docstring)."""
+
+    NAME: str
+    DEVICE_WRITE_SOURCES = TORCH_DEVICE_WRITE_SOURCES
+
+    def apply_device_writes(self, table: torch.Tensor, writes: Sequence[DeviceWriteSet], *, ordered: bool,
+                            faults: torch.Tensor | None) -> None:  # fmt: skip
+        """`Backend.apply_device_writes` with torch ops (module docstring)."""
+        apply_device_writes_torch(table, writes, ordered, faults, self.NAME)
+
+
 def apply_device_writes_torch(table: torch.Tensor, writes: Sequence[DeviceWriteSet], ordered: bool,
                               faults: torch.Tensor | None, backend: str) -> None:  # fmt: skip
     """`Backend.apply_device_writes` with torch ops (module docstring).
