@@ -211,16 +211,13 @@ def _tensors_info(tensors: tuple, device: torch.device, dtype: torch.dtype | Non
     if not tensors:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     ptrs, nbytes = [], []
-    try:  # (one loop that stops at the first refusal: 2x faster than gathering every attribute first)
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.dtype is not dtype or t.device != device or t.dim() != 1 or (
-                not t.is_contiguous()
-            ):
-                return None
-            ptrs.append(t.data_ptr())
-            nbytes.append(t.nbytes)
-    except (AttributeError, TypeError):
-        return None
+    for t in tensors:  # (one loop that stops at the first refusal: 25-30% less time than gathering every attribute)
+        if not isinstance(t, torch.Tensor) or t.dtype is not dtype or t.device != device or t.dim() != 1 or (
+            not t.is_contiguous()
+        ):
+            return None
+        ptrs.append(t.data_ptr())
+        nbytes.append(t.nbytes)
     return np.array(ptrs, np.int64), np.array(nbytes, np.int64) // dtype.itemsize
 
 
