@@ -2,13 +2,13 @@
 set descriptors (and the address tables of per-row tensors), picks the launch's shape, and launches the kernel of
 `kernels/device_writes.py` once per call (docs/device-writes.md).
 
-The descriptors of up to two sets travel as the launch's arguments. Eager calls that read host memory (the
-descriptors of more sets, the address tables of per-row tensors) or scan flags write it into a slot of a ring of
-pinned host memory the kernel reads in place (`SlotRing`, through `TritonDevice.launch_on`: the slot is handed out
-again only once the kernel's completion token is back), with the slot's own scan state on the device; the others
-take no slot. A call made while the current stream captures a CUDA graph (or a `simulated_capture`) gets a pinned
-buffer and a scan state of its own that are never rewritten and kept for the process (the graph reads them at
-every replay); the replay reads the device inputs at their captured addresses.
+The descriptors of up to two sets travel as the launch's arguments. Eager calls that need memory (the descriptors of
+more sets, the address tables of per-row tensors) or scan flags write it into a slot of a ring of pinned host memory
+(`SlotRing`) that `SlotMirror` copies into device memory on a side stream; the slot is released by that copy and the
+kernel reads device memory and stores nothing into host memory. The slot's scan state lives on the device. Calls that
+need neither take no slot. A call made while the current stream captures a CUDA graph (or a `simulated_capture`)
+gets a pinned buffer and a scan state of its own that are never rewritten and kept for the process (the graph reads
+them over UVA at every replay); the replay reads the device inputs at their captured addresses.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from multiwrite.backends.triton.device import TritonDevice
 from multiwrite.backends.triton.kernels import device_writes as kernel
 from multiwrite.backends.triton.launcher import Launcher
+from multiwrite.backends.triton.mirror import SlotMirror
 from multiwrite.backends.triton.ring import SlotRing
 from multiwrite.capture import is_capturing, setup_calls
 from multiwrite.errors import StagedWriteError
@@ -32,14 +33,19 @@ if TYPE_CHECKING:
 _SET_WORDS = kernel.SET_WORDS.value
 _STATE_WORDS = kernel.STATE_WORDS.value
 _DTYPE_CODE = {torch.int32: 0, torch.int64: 1, torch.float32: 2}
-#: (block_w, block_l) of the tiles: short writes (every length known to be at most 8), long writes, ordered.
-_TILES = {"short": (128, 8), "long": (4, 256), "ordered": (16, 32)}
+#: (block_w, block_l) of the tiles: short writes (every length known to be at most 8), medium (at most 256), long
+#: (longer, or not known), ordered. A long tile is one write of 1024 cells: the fastest of the shapes measured for
+#: `bench --sglang`'s extends on the H200 at bs 32, 256 and on rows of 100K (4.8, 5.7, 4.9 us against 5.2, 7.4, 6.4
+#: for 4 writes x 256; scripts/probe_extend_split.py, docs/sglang.md).
+_TILES = {"short": (128, 8), "medium": (4, 256), "long": (1, 1024), "ordered": (16, 32)}
 #: Writes per scan block (a multiple of every tile's `block_w`): a flat set of at most this many writes is scanned
 #: without flags (kernel docstring).
 SCAN_W = 1024
-#: Column splits of a tile at most: every split of a tile reads its writes (and their address tables over UVA,
-#: where reads of one host line by many programs are served one after the other).
-MAX_SPLITS = 4
+#: Column splits of a tile at most. How many a launch takes is bounded by the runner's `split_budget` instead:
+#: programs cost device time even when they find nothing to copy (bs 256 of `bench --sglang` on the H200: 512
+#: programs 7.6 us, 4096 programs 13.4 us), and only a launch of few tiles, such as four rows of 100K tokens, needs
+#: many splits (5 to 8 us where 4 splits took 29 us; scripts/probe_extend_split.py).
+MAX_SPLITS = 1024
 #: Values of one flat source the flag words can count (40 bits).
 MAX_VALUES = (1 << 40) - 1
 _NO_SETS = (0,) * (kernel.ARG_SETS_MAX * _SET_WORDS)
@@ -60,12 +66,15 @@ class DeviceWritesRunner:
         self.device = device
         with setup_calls(device.device):
             self.ring = SlotRing(device, device.depth, np.int64, "device writes")
+            self.mirror = SlotMirror(self.ring)
             self.states = [_state(device.device, 64) for _ in range(device.depth)]
             self.noop_state = _state(device.device, 1)
             self.unread_faults = torch.zeros(8, dtype=torch.int64, device=device.device)  # faults nobody asked for
         noop = self.noop_state.data_ptr()
         self.launcher = Launcher(device, kernel.device_writes_kernel, 4,
                                  lambda done, counter, token: kernel.noop_args(done, counter, token, state_addr=noop))
+        #: Programs the column splits may bring a launch to (MAX_SPLITS): half the device's program budget.
+        self.split_budget = max(1, device.max_programs // 2)
         self.captured: list[object] = []  # what captured launches read at every replay: kept for the process
         self._consts: dict[tuple, dict] = {}
 
@@ -77,7 +86,7 @@ class DeviceWritesRunner:
         if table.shape[1] >= 1 << 31:
             raise StagedWriteError(f"triton: rows of {table.shape[1]} cells (at most 2^31 - 1)")
         bound = _bound(writes, table)
-        tile = "ordered" if ordered else ("short" if bound <= 8 else "long")
+        tile = "ordered" if ordered else ("short" if bound <= 8 else "medium" if bound <= 256 else "long")
         block_w, block_l = _TILES[tile]
         tiles = [(w.num_writes + block_w - 1) // block_w for w in writes]
         total = sum(tiles)
@@ -88,7 +97,7 @@ class DeviceWritesRunner:
             grid0 = splits = 1
         else:
             chunks = (min(bound, table.shape[1]) + block_l - 1) // block_l
-            splits = max(1, min(chunks, MAX_SPLITS, self.device.max_programs // max(total, 1)))
+            splits = max(1, min(chunks, MAX_SPLITS, self.split_budget // max(total, 1)))
             grid0 = max(1, min(total, self.device.max_programs // splits))
         codes = {_DTYPE_CODE[w.values.dtype if w.kind == "values" else w.source_dtype] for w in writes}  # type: ignore
         source = codes.pop() if len(codes) == 1 else -1
@@ -115,18 +124,23 @@ class DeviceWritesRunner:
             self.launcher.launch(variant, consts, grid0, splits, args)
             return
         with self.device.lock:
-            lease = self.ring.acquire(1, words)
+            lease = self.ring.acquire(1, words + 1)
             try:
-                sets = _describe(lease.values[:words], writes, tiles, arg_sets, lease.values_addr)
+                buf = self.mirror.buffer(lease.slot, words)
+                sets = _describe(lease.values[:words], writes, tiles, arg_sets, buf.data_ptr())
                 state = self.states[lease.slot]
                 if state.shape[0] - _STATE_WORDS < total:
                     state = self.states[lease.slot] = _state(table.device, max(total, 2 * state.shape[0]))
             except BaseException:
                 self.ring.release(lease)
                 raise
-            self.device.launch_on(lease, self.launcher, variant, consts, grid0, splits,
-                                  _lead(lease.values_addr, sets, state, fault_addr), _tail(tail, state, scanned),
-                                  (writes, state))  # fmt: skip
+            self.mirror.hand_over(lease, buf, words, (writes, state))  # from here on the copy releases the slot
+            try:  # (no completion word: the kernel stores nothing into host memory)
+                args = (*_lead(buf.data_ptr(), sets, state, fault_addr), self.ring.counter_addrs[lease.slot], 0, 0,
+                        *_tail(tail, state, scanned))  # fmt: skip
+                self.launcher.launch(variant, consts, grid0, splits, args)
+            finally:
+                self.mirror.launched(lease.slot)
 
     def _captured_launch(self, writes, tiles, words, arg_sets, scanned, variant, consts, grid, fault_addr,
                          tail) -> None:  # fmt: skip

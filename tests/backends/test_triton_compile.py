@@ -49,8 +49,9 @@ STAGE = [
 CONSUME = [("g3", 8, 4, False), ("deep", 16, 8, False), ("g3-pdl", 8, 4, True)]
 #: device-writes kernel variants as `DeviceWritesRunner` launches them: (table dtype, tile, sets whose descriptors are
 #: arguments, the sources' one dtype code or "m" where they differ)
-DEVICE_WRITES = [("int32", "short", 1, 1), ("int32", "long", 2, 1), ("int32", "ordered", 2, "m"),
-                 ("int64", "long", 0, 0), ("float32", "long", 1, 2), ("int32", "long", 2, "m")]  # fmt: skip
+DEVICE_WRITES = [("int32", "short", 1, 1), ("int32", "medium", 2, 1), ("int32", "long", 2, 1),
+                 ("int32", "ordered", 2, "m"), ("int64", "long", 0, 0), ("float32", "long", 1, 2),
+                 ("int32", "long", 2, "m")]  # fmt: skip
 
 
 def cases() -> list[tuple[str, str, str]]:

@@ -59,7 +59,7 @@ def test_sets_of_several_scan_blocks_match_the_reference(small_scan_blocks, n, s
     """Flat sets of more than one scan block: each tile's offset is the sum of every earlier write's length, whether
     the flags of the earlier blocks were published (prefixes, sums) or missing (summed by the tile that needs them):
     the interpreter's 8 programs take the tiles 0, 8, 16, ..., so most tiles find the blocks before them unsummed.
-    Long tiles (4 writes), short tiles (128), writes of 0 values between; int64 values into an int64 table; a
+    Medium tiles (4 writes), short tiles (128), writes of 0 values between; int64 values into an int64 table; a
     second set after the first (its own blocks), into other rows (a parallel launch) or the same ones (an ordered
     launch: one program, in order, the later write wins)."""
     table = torch.full((2 * n, longest + 5), -1, dtype=torch.int64)
@@ -119,6 +119,47 @@ def test_one_per_row_tensor_travels_in_the_descriptor_and_takes_no_slot(host):
     assert (table[[0, 1, 3]] == -1).all()
     assert runner.launcher.launches == launches + 1
     assert (runner.ring.next == slot) == host, "a slot taken (or not) against the launch's host memory"
+
+
+def _per_row_set(seed):
+    rng = np.random.default_rng(seed)
+    r, ln = rng.permutation(6)[:3], rng.integers(1, 8, 3)
+    st = np.zeros(3, np.int64)
+    src = [torch.from_numpy(rng.integers(0, 99, int(x))) for x in ln]
+    return DeviceWrites(torch.tensor(r), torch.tensor(st), torch.tensor(ln), sources=src, may_overlap=False)
+
+
+@pytest.mark.parametrize("failure", ["launch", "copy"])
+def test_a_failed_launch_or_copy_leaves_every_slot_free(monkeypatch, failure):
+    """The slot of a call whose address table goes through the mirror is released by the copy, not the kernel: a
+    launch that raises after the copy, or a copy that raises before it is queued (an interrupt), leaves the slot
+    free, the table as it was, and the ring's other slots usable (every slot is taken again once afterwards; a slot
+    left taken would stall there, RingStallError)."""
+    runner = _runner()
+    table = torch.full((6, 10), -1, dtype=torch.int32)
+    target = (runner.launcher, "launch") if failure == "launch" else (torch.Tensor, "copy_")
+    real = getattr(*target)
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt if failure == "copy" else RuntimeError("launch refused")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(*target, refuse)
+    slot = runner.ring.next
+    with pytest.raises(KeyboardInterrupt if failure == "copy" else RuntimeError):
+        apply_device_writes(table, _per_row_set(1), backend="triton-cuda")
+    monkeypatch.setattr(*target, real)
+    assert (table == -1).all()
+    assert runner.ring.leases[slot].released()
+    for k in range(runner.ring.depth + 1):
+        w = _per_row_set(k)
+        table.fill_(-1)
+        apply_device_writes(table, w, backend="triton-cuda")
+        expected = apply_device_writes_reference(np.full((6, 10), -1, np.int32), [w])
+        np.testing.assert_array_equal(table.numpy(), expected, err_msg=f"call {k}")
 
 
 def test_more_sets_than_the_arguments_hold_read_their_descriptors_from_memory():

@@ -96,3 +96,33 @@ def test_overlapping_writes_land_in_order(device, backend_name):
     expected = drawn.reference(table)
     apply_device_writes(table, drawn.sets, backend=backend_name)
     np.testing.assert_array_equal(table.cpu().numpy(), expected)
+
+
+@pytest.mark.parametrize("on_side_stream", [False, True])
+def test_address_tables_copied_behind_a_busy_stream(device, backend_name, on_side_stream):
+    """Per-row sources whose address tables go to device memory on the side stream (`SlotMirror`): three times the
+    ring's depth of calls queued behind a 20 ms spin, each with tensors and rows of its own, so that the slots (and
+    their device copies) are reused while earlier kernels are still queued. One device buffer shared by the slots,
+    or a launch not ordered after its copy, lands another call's prefixes."""
+    rng = np.random.default_rng(11)
+    calls, width = 24, 512
+    table = torch.full((calls * 4 + 1, width), -1, dtype=torch.int32, device=device)
+    expected = table.cpu().numpy()
+    sets = []
+    for c in range(calls):
+        rows = np.arange(c * 4 + 1, c * 4 + 5)
+        lengths = rng.integers(0, width, 4)
+        prefixes = [rng.integers(0, 2**31 - 1, int(n)) for n in lengths]
+        for r, p in zip(rows, prefixes):
+            expected[r, : p.size] = p
+        sets.append(DeviceWrites(torch.from_numpy(rows).to(device), torch.zeros(4, dtype=torch.int64, device=device),
+                                 torch.from_numpy(lengths).to(device), sources=[torch.from_numpy(p).to(device) for p
+                                 in prefixes], source_dtype=torch.int64, may_overlap=False))  # fmt: skip
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device) if on_side_stream else torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # about 20 ms of queued work before the calls
+        for w in sets:
+            apply_device_writes(table, w, backend=backend_name)
+    stream.synchronize()
+    np.testing.assert_array_equal(table.cpu().numpy(), expected)

@@ -262,7 +262,8 @@ def device_writes_kernel_fn(
         last = last_to_finish(counter_addr, tl.num_programs(0) * tl.num_programs(1))
         if scanned != 0:
             advance_epoch(state, last, capacity)
-        hand_back(done_addr, token, last & (done_addr != 0))
+        if done_addr != 0:  # (a launch of `SlotMirror` has none: its copy hands the slot back)
+            hand_back(done_addr, token, last)
 
 
 @triton.jit
