@@ -130,6 +130,7 @@ class DeviceWritesRunner:
                 sets = _describe(lease.values[:words], writes, tiles, arg_sets, buf.data_ptr())
                 state = self.states[lease.slot]
                 if state.shape[0] - _STATE_WORDS < total:
+                    self.mirror.retire(lease.slot, state)
                     state = self.states[lease.slot] = _state(table.device, max(total, 2 * state.shape[0]))
             except BaseException:
                 self.ring.release(lease)

@@ -56,12 +56,18 @@ class SlotMirror:
         buf = self.buffers[slot]
         if buf is None or buf.shape[0] < words + 1:
             size = max(words + 1, 64, 2 * (0 if buf is None else buf.shape[0]))
-            if buf is not None and self.stream is not None:
-                self.stream.wait_event(self.read[slot])  # type: ignore[arg-type]
-                buf.record_stream(self.stream)  # (the allocator reuses it only after the stream passed that wait)
+            if buf is not None:
+                self.retire(slot, buf)
             with setup_calls(self.device):
                 buf = self.buffers[slot] = torch.empty(size, dtype=torch.int64, device=self.device)
         return buf
+
+    def retire(self, slot: int, tensor: torch.Tensor) -> None:
+        """`tensor`, read by the slot's launches and about to be replaced (its buffer, its scan state), is freed
+        only once the launch that last read it is done: the slot itself may be released before that launch ran."""
+        if self.stream is not None:
+            self.stream.wait_event(self.read[slot])  # type: ignore[arg-type]
+            tensor.record_stream(self.stream)  # (the allocator reuses it only after the stream passed that wait)
 
     def hand_over(self, lease: Lease, buf: torch.Tensor, words: int, keep: object) -> None:
         """Copy the first `words` values of `lease` (acquired from the ring, for room of `words + 1`) into `buf`

@@ -103,7 +103,8 @@ def test_address_tables_copied_behind_a_busy_stream(device, backend_name, on_sid
     """Per-row sources whose address tables go to device memory on the side stream (`SlotMirror`): three times the
     ring's depth of calls queued behind a 20 ms spin, each with tensors and rows of its own, so that the slots (and
     their device copies) are reused while earlier kernels are still queued. One device buffer shared by the slots,
-    or a launch not ordered after its copy, lands another call's prefixes."""
+    or a launch not ordered after its copy, lands another call's prefixes. Every fourth call is a scanned flat set
+    larger than the last (its slot's scan state and buffer grow while earlier launches on the slot are queued)."""
     rng = np.random.default_rng(11)
     calls, width = 24, 512
     table = torch.full((calls * 4 + 1, width), -1, dtype=torch.int32, device=device)
@@ -118,11 +119,23 @@ def test_address_tables_copied_behind_a_busy_stream(device, backend_name, on_sid
         sets.append(DeviceWrites(torch.from_numpy(rows).to(device), torch.zeros(4, dtype=torch.int64, device=device),
                                  torch.from_numpy(lengths).to(device), sources=[torch.from_numpy(p).to(device) for p
                                  in prefixes], source_dtype=torch.int64, may_overlap=False))  # fmt: skip
+    scanned = []
+    for c in range(3, calls, 4):
+        n = 1100 + 700 * c
+        flat = torch.zeros((n, 300), dtype=torch.int32, device=device)
+        drawn = draw_sets(rng, (n, 300), device, bs=n, host=False)
+        w = drawn.sets[0]
+        drawn.sets[0] = DeviceWrites(w.rows, w.starts, w.lengths, values=w.values, may_overlap=False)
+        scanned.append((c, flat, drawn.sets, drawn.reference(flat)))
     torch.cuda.synchronize(device)
     stream = torch.cuda.Stream(device) if on_side_stream else torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(20_000_000)  # about 20 ms of queued work before the calls
-        for w in sets:
+        for c, w in enumerate(sets):
             apply_device_writes(table, w, backend=backend_name)
+            for _, flat, flat_sets, _ in (s for s in scanned if s[0] == c):
+                apply_device_writes(flat, flat_sets, backend=backend_name)
     stream.synchronize()
     np.testing.assert_array_equal(table.cpu().numpy(), expected)
+    for c, flat, _, want in scanned:
+        np.testing.assert_array_equal(flat.cpu().numpy(), want, err_msg=f"the scanned set after call {c}")
