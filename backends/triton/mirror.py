@@ -47,6 +47,7 @@ class SlotMirror:
         self.stream = torch.cuda.Stream(self.device) if self.is_gpu else None
         self.copied = torch.cuda.Event() if self.is_gpu else None
         self.read = [torch.cuda.Event() if self.is_gpu else None for _ in range(depth)]  # the slot's last launch
+        self.pending: list[torch.cuda.Stream | None] = [None] * depth  # a launch's stream until `launched` ran
         self.buffers: list[torch.Tensor | None] = [None] * depth
         self.views: list[tuple[np.ndarray, torch.Tensor] | None] = [None] * depth  # a slot's memory as a tensor
 
@@ -58,7 +59,10 @@ class SlotMirror:
             size = max(words + 1, 64, 2 * (0 if buf is None else buf.shape[0]))
             if buf is not None:
                 self.retire(slot, buf)
-            with setup_calls(self.device):
+            # (allocated on the side stream, which writes it: a block freed on the current stream may still be in
+            # use by work queued there, which the side stream does not wait for)
+            side = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+            with setup_calls(self.device), side:
                 buf = self.buffers[slot] = torch.empty(size, dtype=torch.int64, device=self.device)
         return buf
 
@@ -66,18 +70,28 @@ class SlotMirror:
         """`tensor`, read by the slot's launches and about to be replaced (its buffer, its scan state), is freed
         only once the launch that last read it is done: the slot itself may be released before that launch ran."""
         if self.stream is not None:
-            self.stream.wait_event(self.read[slot])  # type: ignore[arg-type]
+            self._after_last_launch(slot)
             tensor.record_stream(self.stream)  # (the allocator reuses it only after the stream passed that wait)
+
+    def _after_last_launch(self, slot: int) -> None:
+        """The side stream waits for the slot's last launch: its event, or (a launch interrupted before `launched`
+        recorded it) everything its stream held then."""
+        pending = self.pending[slot]
+        if pending is not None:
+            self.stream.wait_stream(pending)  # type: ignore[union-attr]
+            self.pending[slot] = None
+        self.stream.wait_event(self.read[slot])  # type: ignore[union-attr, arg-type]
 
     def hand_over(self, lease: Lease, buf: torch.Tensor, words: int, keep: object) -> None:
         """Copy the first `words` values of `lease` (acquired from the ring, for room of `words + 1`) into `buf`
         (`buffer(lease.slot, words)`), ordered before whatever the current stream runs next, and have the slot
-        released once the copy has landed. `keep` stays alive until then. Call `launched` after the launch that
-        reads `buf`, whether it was issued or not."""
+        released once the copy has landed. `keep` stays referenced until the slot's next hand-over (the slot's
+        scan state and buffer are guarded by `retire`; the caller's tensors by torch's stream rule). Call `launched`
+        after the launch that reads `buf`, whether it was issued or not."""
         ring, slot = self.ring, lease.slot
-        token = lease.next_token()
-        queued = False
+        before, queued = lease.token, False
         try:
+            token = lease.next_token()
             lease.keep = keep
             ring.handed_over(lease)
             lease.values[words] = token
@@ -89,7 +103,7 @@ class SlotMirror:
             current = torch.cuda.current_stream(self.device) if gpu else None
             with torch.cuda.stream(self.stream) if gpu else contextlib.nullcontext():
                 if gpu:
-                    self.stream.wait_event(self.read[slot])  # type: ignore[union-attr, arg-type]
+                    self._after_last_launch(slot)
                 buf[: words + 1].copy_(src, non_blocking=gpu)  # (pinned memory: an asynchronous DMA)
                 done.copy_(buf.view(torch.int32)[2 * words : 2 * words + 1], non_blocking=gpu)  # (the token's low half)
                 queued = True
@@ -97,12 +111,15 @@ class SlotMirror:
                     self.copied.record(self.stream)  # type: ignore[union-attr]
             if gpu:
                 current.wait_event(self.copied)  # type: ignore[union-attr, arg-type]
+                self.pending[slot] = current
         except BaseException:
-            if not queued:
-                ring.launch_failed(lease, token)  # (no copy will release it)
+            if not queued and lease.token != before:  # (an interrupt as the token advanced included)
+                ring.launch_failed(lease, lease.token)  # no copy will release it
             raise
 
     def launched(self, slot: int) -> None:
         """The launch reading the buffer of `slot` was issued (or failed): the next copy into it waits for it."""
-        if self.stream is not None:
-            self.read[slot].record(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
+        pending = self.pending[slot]
+        if pending is not None:
+            self.read[slot].record(pending)  # type: ignore[union-attr]
+            self.pending[slot] = None

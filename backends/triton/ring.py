@@ -3,8 +3,9 @@ completion word.
 
 A launch reading a slot takes the slot's next token; its last program stores the token into the slot's pinned
 completion word (no driver call). A slot is handed out again only once its word holds its token, so no slot is ever
-rewritten while a launched kernel, or a queued one, may still read it. One ring per staging arena lends its slots
-to it (`SlotRing` is its `StagingBuffers`): the arena stages into a slot and an apply launches on it in place,
+rewritten while a launched kernel, or a queued one, may still read it. (The device-writes ring's slots are read by a
+copy instead, which stores the token itself once it has landed: `SlotMirror`.) One ring per staging arena lends its
+slots to it (`SlotRing` is its `StagingBuffers`): the arena stages into a slot and an apply launches on it in place,
 without a copy. Each device also has a shared ring per dtype for batches that arrive as plain arrays.
 """
 
@@ -77,7 +78,7 @@ class SlotRing(StagingBuffers):
 
     # -- StagingBuffers --------------------------------------------------------------------------------------
     def acquire(self, write_capacity: int, value_capacity: int, why: Callable[[str], str] | None = None) -> Lease:
-        """The next slot, once no launched kernel reads it (waits: `RingWaitWarning` after 1 s, `RingStallError`
+        """The next slot, once nothing launched reads it (waits: `RingWaitWarning` after 1 s, `RingStallError`
         after 10 s; `why` gives the message, default the ring's), with room for `write_capacity` writes and
         `value_capacity` values (a larger allocation when it has none: rare)."""
         i = self.next
@@ -122,7 +123,7 @@ class SlotRing(StagingBuffers):
     def _waiting(self, lease: Lease, why: str) -> str:
         return (
             f"staging slot {lease.slot} of the {self.name} ring (depth {self.depth}) of the multiwrite Triton backend "
-            f"on {self.owner.device} {why} to be released by the kernel that reads it (completion token "
+            f"on {self.owner.device} {why} to be released by the kernel (or copy) that reads it (completion token "
             f"{lease.token}, its word holds {int(self.done[lease.slot])}). Likely causes: the stream that kernel was "
             "launched on is held up by long work queued before it; more applies (or, in graph mode, committed "
             "batches no replay has consumed) in flight than ring slots (MULTIWRITE_TRITON_RING_DEPTH); or the launch "

@@ -129,27 +129,33 @@ def _per_row_set(seed):
     return DeviceWrites(torch.tensor(r), torch.tensor(st), torch.tensor(ln), sources=src, may_overlap=False)
 
 
-@pytest.mark.parametrize("failure", ["launch", "copy"])
+@pytest.mark.parametrize("failure", ["launch", "copy", "token"])
 def test_a_failed_launch_or_copy_leaves_every_slot_free(monkeypatch, failure):
     """The slot of a call whose address table goes through the mirror is released by the copy, not the kernel: a
-    launch that raises after the copy, or a copy that raises before it is queued (an interrupt), leaves the slot
-    free, the table as it was, and the ring's other slots usable (every slot is taken again once afterwards; a slot
-    left taken would stall there, RingStallError)."""
+    launch that raises after the copy, a copy that raises before it is queued, or an interrupt just as the slot's
+    token advanced (found by a review: the slot stayed taken) leaves the slot free, the table as it was, and the
+    ring's other slots usable (every slot is taken again once afterwards; a slot left taken would stall there,
+    RingStallError)."""
+    from multiwrite.staging.arena import Lease
+
     runner = _runner()
     table = torch.full((6, 10), -1, dtype=torch.int32)
-    target = (runner.launcher, "launch") if failure == "launch" else (torch.Tensor, "copy_")
+    target = {"launch": (runner.launcher, "launch"), "copy": (torch.Tensor, "copy_"),
+              "token": (Lease, "next_token")}[failure]  # fmt: skip
     real = getattr(*target)
     calls = []
 
     def refuse(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
-            raise KeyboardInterrupt if failure == "copy" else RuntimeError("launch refused")
+            if failure == "token":
+                real(*args, **kwargs)  # the token advances, then the interrupt arrives
+            raise RuntimeError("launch refused") if failure == "launch" else KeyboardInterrupt
         return real(*args, **kwargs)
 
     monkeypatch.setattr(*target, refuse)
     slot = runner.ring.next
-    with pytest.raises(KeyboardInterrupt if failure == "copy" else RuntimeError):
+    with pytest.raises(RuntimeError if failure == "launch" else KeyboardInterrupt):
         apply_device_writes(table, _per_row_set(1), backend="triton-cuda")
     monkeypatch.setattr(*target, real)
     assert (table == -1).all()

@@ -139,3 +139,37 @@ def test_address_tables_copied_behind_a_busy_stream(device, backend_name, on_sid
     np.testing.assert_array_equal(table.cpu().numpy(), expected)
     for c, flat, _, want in scanned:
         np.testing.assert_array_equal(flat.cpu().numpy(), want, err_msg=f"the scanned set after call {c}")
+
+
+def test_a_new_address_buffer_is_not_a_block_still_used_by_queued_work(device, backend_name):
+    """A slot's device buffer, allocated when it grows, must not be a block freed on the current stream while work
+    queued there still writes it: a temporary of the 'previous forward' is filled with a decoy address behind a
+    50 ms spin and freed on the host, then a call whose address table grows its slot's buffer to that size. Found
+    on the H200 by a review of 7fd01c7: the buffer took the freed block and the kernel wrote the decoy's values."""
+    from multiwrite.backends.triton.backend import CUDA
+
+    runner = CUDA.device_writes_runner(device)
+    warm = DeviceWrites(torch.tensor([1], device=device), torch.tensor([0], device=device),
+                        torch.tensor([2], device=device), sources=[torch.arange(2, device=device)], may_overlap=False)
+    apply_device_writes(torch.zeros((2, 4), dtype=torch.int32, device=device), warm, backend=backend_name)
+    decoy = torch.full((1 << 16,), 4242, dtype=torch.int32, device=device)
+    for k in range(4):
+        slot = runner.ring.next
+        buf = runner.mirror.buffers[slot]
+        cap = 64 if buf is None else buf.shape[0]
+        n = cap  # 2n words of addresses and sizes: the buffer grows to max(2n + 1, 2 cap)
+        size = max(2 * n + 1, 64, 2 * cap)
+        table = torch.full((n, 8), -1, dtype=torch.int32, device=device)
+        sources = [torch.arange(8, device=device) + 100 * i for i in range(n)]
+        w = DeviceWrites(torch.arange(n, device=device), torch.zeros(n, dtype=torch.int64, device=device),
+                         torch.full((n,), 8, device=device), sources=sources, source_dtype=torch.int64,
+                         may_overlap=False)  # fmt: skip
+        torch.cuda.synchronize(device)
+        temporary = torch.empty(size, dtype=torch.int64, device=device)
+        torch.cuda._sleep(50_000_000)  # the previous forward, still queued
+        temporary.fill_(decoy.data_ptr())  # its temporary, written behind the spin and freed on the host
+        del temporary
+        apply_device_writes(table, w, backend=backend_name)
+        torch.cuda.synchronize(device)
+        expected = np.arange(8)[None, :] + 100 * np.arange(n)[:, None]
+        np.testing.assert_array_equal(table.cpu().numpy(), expected, err_msg=f"call {k}, slot {slot}")

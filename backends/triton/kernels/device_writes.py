@@ -1,8 +1,8 @@
 """The device-writes kernel: every set of device-sourced writes (`multiwrite.device_writes.DeviceWrites`) into one
 table in one launch, its inputs read where they lie: device tensors; the descriptors of up to `ARG_SETS_MAX` sets as
-the launch's own arguments (more sets: in pinned host memory over UVA, or in a buffer of a captured graph); the
-address tables of per-row tensors in pinned host memory (or the graph's buffer). Design and contract:
-docs/device-writes.md.
+the launch's own arguments; the descriptors of more sets and the address tables of per-row tensors in memory at
+`sets_addr`: an eager call's device copy of its staging slot (`SlotMirror`), or a captured call's pinned buffer read
+over UVA. Design and contract: docs/device-writes.md.
 
 Work items. Set `s` has `ceil(n_s / BLOCK_W)` tiles of `BLOCK_W` writes; tiles are numbered across the sets in order
 (set `s` starts at tile `tile0_s`). Program `(p, k)` of the `grid0 x splits` grid takes tiles `p, p + grid0, ...`
