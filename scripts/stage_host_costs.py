@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from multiwrite.backends.triton.launcher import get_stream
 from multiwrite.bench.groups import STAGE_CONFIGS
 from multiwrite.bench.launch import empty_launcher
 from multiwrite.bench.stage_designs import Ours, OursBatched, StepBuffers, VllmThreeCalls
@@ -68,9 +69,10 @@ def main() -> None:
     trace = load_trace()
     empty = empty_launcher(device) if device.type == "cuda" else (lambda: None)
     clock = time.perf_counter_ns
-    bs, kbs = STAGE_CONFIGS["G3"]
+    bs, _ = STAGE_CONFIGS["G3"]
     for c in args.concurrency:
         schedule = list(replay_schedule(trace, bs, c, args.steps))
+        measured = {i for i, step in enumerate(schedule) if i >= args.warmup and step.is_decode}
         designs = [d(device, args.backend, c, TOKEN_BUDGET) for d in DESIGNS]
         x = StepBuffers(device, c, TOKEN_BUDGET)
         samples: dict[str, list[tuple[float, float]]] = {d.name: [] for d in designs}
@@ -90,11 +92,11 @@ def main() -> None:
                 empty()
                 t4 = clock()
                 synchronize(device)
-                if i >= args.warmup and step.is_decode:
+                if i in measured:
                     samples[d.name].append(((t1 - t0) / 1e3, (t2 - t1) / 1e3))
                     empties.append((t4 - t3) / 1e3)
         e = float(np.median(empties)) if empties else float("nan")
-        print(f"\nG3 C={c}: {len(empties) // len(designs)} decode steps; empty Triton launch {e:.1f} us")
+        print(f"\nG3 C={c}: {len(measured)} decode steps; empty Triton launch {e:.1f} us")
         for d in designs:
             s = np.array(samples[d.name])
             st, run = np.median(s[:, 0]), np.median(s[:, 1])
@@ -107,7 +109,6 @@ def main() -> None:
         launcher, (variant, grid0, launch_args) = recorded_gather(bt, x)
         fire = launcher.fire.get(variant)
         index = bt.device.index or 0
-        get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 0)
         pairs = []
         for _ in range(200):
             synchronize(device)
@@ -137,7 +138,7 @@ def main() -> None:
                     x.load(step)
                     synchronize(device)
                     calls = d.prepare(step.calls)
-                    timed = i >= args.warmup and step.is_decode
+                    timed = i in measured
                     if timed:
                         prof.enable()
                     d.stage(calls)
@@ -145,12 +146,12 @@ def main() -> None:
                     if timed:
                         prof.disable()
                     synchronize(device)
-                steps = sum(1 for i, st in enumerate(schedule) if i >= args.warmup and st.is_decode)
                 rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[: args.profile]
                 print(f"\n  cProfile {d.name} C={c}, per decode step (us, profiler overhead included): own, cumulative")
-                for (path, line, func), (_, calls, own, cum, _) in rows:
+                for (path, line, func), (_, ncalls, own, cum, _) in rows:
                     where = f"{path.rsplit('/', 2)[-1]}:{line}({func})" if line else func
-                    print(f"    {own / steps * 1e6:7.2f} {cum / steps * 1e6:7.2f}  x{calls / steps:<5.1f} {where}")
+                    n = len(measured)
+                    print(f"    {own / n * 1e6:7.2f} {cum / n * 1e6:7.2f}  x{ncalls / n:<5.1f} {where}")
 
 
 if __name__ == "__main__":
