@@ -7,20 +7,7 @@ import argparse
 import math
 from collections.abc import Sequence
 
-from multiwrite.cli.args import (
-    EXIT_CODES_HELP,
-    UsageError,
-    add_device_options,
-    add_progress_option,
-    add_subcommand,
-    add_trace_option,
-    int_list,
-    non_negative_int,
-    positive_int,
-    progress_bar,
-    refuse_if_too_big,
-    show_progress,
-)
+from multiwrite.cli import args as cli_args
 
 #: Default `--block-sizes`; the default kernel block size of a group is `gcd(block size, 16)`.
 DEFAULT_BLOCK_SIZES = [16, 32, 8]
@@ -37,7 +24,7 @@ def check_kernel_block_sizes(block_sizes: Sequence[int], kernel_block_sizes: Seq
     """Raise `UsageError` (exit 2, argparse's format) unless there is one kernel block size per group and
     each divides its group's block size."""
     if len(kernel_block_sizes) != len(block_sizes):
-        raise UsageError(
+        raise cli_args.UsageError(
             f"argument --kernel-block-sizes: {len(kernel_block_sizes)} "
             f"{'entry' if len(kernel_block_sizes) == 1 else 'entries'} for the {len(block_sizes)} groups of "
             f"--block-sizes {','.join(map(str, block_sizes))}"
@@ -46,18 +33,14 @@ def check_kernel_block_sizes(block_sizes: Sequence[int], kernel_block_sizes: Seq
 
     misfit = misfit_kernel_block(block_sizes, kernel_block_sizes)
     if misfit is not None:
-        g, bs, kbs = misfit
-        raise UsageError(
-            f"argument --kernel-block-sizes: group {g}: block size {bs} is not a positive multiple of kernel "
-            f"block size {kbs}"
-        )
+        raise cli_args.UsageError(f"argument --kernel-block-sizes: {misfit}")
 
 
 def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Register `replay` on the `multiwrite` command's subparsers."""
     from multiwrite.workload import MAX_PROMPT_TOKENS  # (numpy only: the workload's token caps for the help)
 
-    p = add_subcommand(
+    p = cli_args.add_subcommand(
         sub,
         common,
         "replay",
@@ -67,25 +50,28 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         "backend and device, checking the tables against a plain sequential reference. Prompts and outputs "
         f"longer than {MAX_PROMPT_TOKENS} tokens are capped at {MAX_PROMPT_TOKENS} (the workload's limits); "
         "the output says how many were.",
-        epilog=EXIT_CODES_HELP,
+        epilog=cli_args.EXIT_CODES_HELP,
     )
-    add_trace_option(p, MAX_PROMPT_TOKENS)
+    cli_args.add_trace_option(p, MAX_PROMPT_TOKENS)
     p.add_argument(
-        "--block-sizes", type=int_list, default=DEFAULT_BLOCK_SIZES, help="tokens per block, per group (16,32,8)"
+        "--block-sizes",
+        type=cli_args.int_list,
+        default=DEFAULT_BLOCK_SIZES,
+        help="tokens per block, per group (16,32,8)",
     )
     p.add_argument(
         "--kernel-block-sizes",
-        type=int_list,
+        type=cli_args.int_list,
         default=None,
         help="kernel block size per group, each dividing its block size (default: gcd(block size, 16) per group, "
         "16,16,8 for the default block sizes)",
     )
-    p.add_argument("--concurrency", type=positive_int, default=40, help="request slots = table rows (40)")
-    p.add_argument("--steps", type=positive_int, default=1000, help="scheduler steps (1000)")
-    add_device_options(p)
+    p.add_argument("--concurrency", type=cli_args.positive_int, default=40, help="request slots = table rows (40)")
+    p.add_argument("--steps", type=cli_args.positive_int, default=1000, help="scheduler steps (1000)")
+    cli_args.add_device_options(p)
     p.add_argument(
         "--check-every",
-        type=non_negative_int,
+        type=cli_args.non_negative_int,
         default=50,
         help="compare with the reference every N steps, 0: only after the last step (50)",
     )
@@ -96,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="share of appends (besides every admission) staged as a decoy overwrite then the real one in the same "
         "step, so that only a backend where the later write wins passes; 0 replays the trace as is (0.1)",
     )
-    add_progress_option(p)
+    cli_args.add_progress_option(p)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -116,13 +102,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if kbs is None:
         kbs = default_kernel_block_sizes(args.block_sizes)
     if not 0.0 <= args.overlap_rate <= 1.0:
-        raise UsageError(f"argument --overlap-rate: expected a share in [0, 1], got {args.overlap_rate}")
+        raise cli_args.UsageError(f"argument --overlap-rate: expected a share in [0, 1], got {args.overlap_rate}")
     check_kernel_block_sizes(args.block_sizes, kbs)
     device = resolve_device(args.device)
     host, dev = replay.replay_memory(args.block_sizes, kbs, args.concurrency)
-    refuse_if_too_big(f"--concurrency {args.concurrency}", host, dev, device)
+    cli_args.refuse_if_too_big(f"--concurrency {args.concurrency}", host, dev, device)
     trace = load_trace(args.trace)
-    with progress_bar(args.steps, "replay", show_progress(args.no_progress)) as tick:
+    with cli_args.progress_bar(args.steps, "replay", cli_args.show_progress(args.no_progress)) as tick:
         result = replay.run_replay(
             trace,
             args.block_sizes,

@@ -42,8 +42,8 @@ ARGUMENT_ERRORS = [
     (("replay", "--block-sizes", "16,32", "--kernel-block-sizes", "16"),
      "multiwrite replay: error: argument --kernel-block-sizes: 1 entry for the 2 groups of --block-sizes 16,32"),
     (("replay", "--block-sizes", "16,24", "--kernel-block-sizes", "16,16"),
-     "multiwrite replay: error: argument --kernel-block-sizes: group 1: block size 24 is not a positive multiple of "
-     "kernel block size 16"),
+     "multiwrite replay: error: argument --kernel-block-sizes: group 1 block size 24 is not a positive multiple of "
+     "its kernel block size 16"),
     (("bench", "--configs", "G9"), "multiwrite bench: error: argument --configs: unknown configuration 'G9' (known: "),
     (("bench", "--steps", "0"), "multiwrite bench: error: argument --steps: "),
     (("bench", "--concurrency", "x"), "multiwrite bench: error: argument --concurrency: "),
