@@ -2,7 +2,7 @@
  * multiwrite/staging/_cstaging.h: what the source files of the one extension module multiwrite.staging._cstaging
  * share (private: only its .c files include it, and nothing here is a Python-visible name of its own). It holds the
  * two structs more than one file reads (LeaseFields and ArenaFields; their types are in _cstaging_arena.c), the
- * header ring's layout (constants PyInit also exports), the five type objects, the module's globals (the staging
+ * header ring's layout (constants PyInit also exports), the six type objects, the module's globals (the staging
  * clock, the Python twin's fallbacks; defined in _cstaging.c), what the type objects share (the macros MW_TYPE_HEAD
  * and MW_GC_SLOTS, and helpers defined in _cstaging.c), and the arena's C-level steps that block-id
  * staging and graph mode's publish take (defined in _cstaging_arena.c). Every name shared between files starts with
@@ -13,6 +13,7 @@
  * - _cstaging_block_ids.c: BlockIdStaging (append_block_ids, append_block_ids_batch, _bind_staging).
  * - _cstaging_headers.c: HeaderRingFields (publish, commit).
  * - _cstaging_vllm.c: VllmStaging (multiwrite.vllm.BlockTables.append_block_ids).
+ * - _cstaging_launch.c: FastLaunch (a compiled Triton kernel's launch, multiwrite/backends/triton/launcher.py).
  */
 #ifndef MULTIWRITE_STAGING_CSTAGING_H
 #define MULTIWRITE_STAGING_CSTAGING_H
@@ -30,7 +31,7 @@
 #define MW_INTERNAL
 #endif
 
-/* ---- what the five types share (the helpers: _cstaging.c) ---------------------------------------------- */
+/* ---- what the six types share (the helpers: _cstaging.c) ---------------------------------------------- */
 
 /* The fields every one of the module's type objects sets: its name in the module, its struct, the flags besides
  * Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE (each type is the base class of a Python class), its doc, and its tables
@@ -49,6 +50,17 @@
 /* A GC type's strong references are the PyObject * fields at `refs` (their offsets, ended by -1): its traverse visits
  * them (mw_visit_refs), its tp_clear drops them (mw_clear_refs), and its dealloc untracks the object, runs its
  * tp_clear `clear` and frees it (mw_gc_dealloc). */
+/* The three functions of MW_GC_SLOTS(prefix) for a struct `type` whose strong references are listed in the array
+ * prefix_refs (offsets ended by -1), built from the helpers below. */
+#define MW_GC_FUNCS(prefix, type)                                                                                     \
+    static int prefix##_traverse(type *self, visitproc visit, void *arg) {                                            \
+        return mw_visit_refs((PyObject *)self, prefix##_refs, visit, arg);                                            \
+    }                                                                                                                 \
+    static int prefix##_tp_clear(type *self) {                                                                        \
+        mw_clear_refs((PyObject *)self, prefix##_refs);                                                               \
+        return 0;                                                                                                     \
+    }                                                                                                                 \
+    static void prefix##_dealloc(type *self) { mw_gc_dealloc((PyObject *)self, (inquiry)prefix##_tp_clear); }
 MW_INTERNAL int mw_visit_refs(PyObject *self, const Py_ssize_t *refs, visitproc visit, void *arg);
 MW_INTERNAL void mw_clear_refs(PyObject *self, const Py_ssize_t *refs);
 MW_INTERNAL void mw_gc_dealloc(PyObject *self, inquiry clear);
@@ -128,6 +140,10 @@ MW_INTERNAL PyObject *mw_call_fallback(PyObject *fn, PyObject *self, PyObject *c
 /* ---- VllmStaging (_cstaging_vllm.c) --------------------------------------------------------------------- */
 
 MW_INTERNAL extern PyTypeObject mw_VllmStagingType;
+
+/* ---- FastLaunch (_cstaging_launch.c) -------------------------------------------------------------------- */
+
+MW_INTERNAL extern PyTypeObject mw_FastLaunchType;
 
 /* ---- HeaderRingFields (_cstaging_headers.c) ------------------------------------------------------------- */
 

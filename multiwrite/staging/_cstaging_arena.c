@@ -135,16 +135,7 @@ static PyObject *arena_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static const Py_ssize_t arena_refs[] = {offsetof(ArenaFields, runs), offsetof(ArenaFields, rows_seen),
                                         offsetof(ArenaFields, lease), -1};
 
-static int arena_traverse(ArenaFields *self, visitproc visit, void *arg) {
-    return mw_visit_refs((PyObject *)self, arena_refs, visit, arg);
-}
-
-static int arena_tp_clear(ArenaFields *self) {
-    mw_clear_refs((PyObject *)self, arena_refs);
-    return 0;
-}
-
-static void arena_dealloc(ArenaFields *self) { mw_gc_dealloc((PyObject *)self, (inquiry)arena_tp_clear); }
+MW_GC_FUNCS(arena, ArenaFields)
 
 static PyObject *arena_adopt(ArenaFields *self, PyObject *lease) {
     if (!PyObject_TypeCheck(lease, &mw_LeaseFieldsType))

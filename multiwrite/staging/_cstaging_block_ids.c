@@ -355,17 +355,7 @@ static const Py_ssize_t staging_refs[] = {offsetof(BlockIdStaging, arena),   off
                                           offsetof(BlockIdStaging, applied), offsetof(BlockIdStaging, stamps),
                                           offsetof(BlockIdStaging, groups),  -1};
 
-static int staging_traverse(BlockIdStaging *self, visitproc visit, void *arg) {
-    return mw_visit_refs((PyObject *)self, staging_refs, visit, arg);
-}
-
-static int staging_tp_clear(BlockIdStaging *self) {
-    staging_release(self);
-    mw_clear_refs((PyObject *)self, staging_refs);
-    return 0;
-}
-
-static void staging_dealloc(BlockIdStaging *self) { mw_gc_dealloc((PyObject *)self, (inquiry)staging_tp_clear); }
+MW_GC_FUNCS(staging, BlockIdStaging)
 
 static PyMethodDef staging_methods[] = {
     {"append_block_ids", (PyCFunction)(void (*)(void))staging_append, METH_FASTCALL | METH_KEYWORDS,

@@ -64,16 +64,7 @@ static PyObject *vllm_bind(VllmStaging *self, PyObject *core) {
 
 static const Py_ssize_t vllm_refs[] = {offsetof(VllmStaging, core), -1};
 
-static int vllm_traverse(VllmStaging *self, visitproc visit, void *arg) {
-    return mw_visit_refs((PyObject *)self, vllm_refs, visit, arg);
-}
-
-static int vllm_tp_clear(VllmStaging *self) {
-    mw_clear_refs((PyObject *)self, vllm_refs);
-    return 0;
-}
-
-static void vllm_dealloc(VllmStaging *self) { mw_gc_dealloc((PyObject *)self, (inquiry)vllm_tp_clear); }
+MW_GC_FUNCS(vllm, VllmStaging)
 
 static PyMethodDef vllm_methods[] = {
     {"append_block_ids", (PyCFunction)(void (*)(void))vllm_append, METH_FASTCALL | METH_KEYWORDS,
