@@ -10,13 +10,14 @@ setup(
     ext_modules=[
         Extension(
             "multiwrite.staging._cstaging",
-            # One module from five files (multiwrite/staging/_cstaging.h says what holds what).
+            # One module from six files (multiwrite/staging/_cstaging.h says what holds what).
             [
                 "multiwrite/staging/_cstaging.c",
                 "multiwrite/staging/_cstaging_arena.c",
                 "multiwrite/staging/_cstaging_block_ids.c",
                 "multiwrite/staging/_cstaging_headers.c",
                 "multiwrite/staging/_cstaging_vllm.c",
+                "multiwrite/staging/_cstaging_launch.c",
             ],
             depends=["multiwrite/staging/_cstaging.h"],
             optional=True,

@@ -196,9 +196,7 @@ class TritonDevice:
         ring: SlotRing = lease.lender  # type: ignore[assignment]
         token = None
         try:
-            token = lease.next_token()
-            lease.keep = keep
-            ring.handed_over(lease)
+            token = ring.hand_over(lease, keep)
             args = (*lead, ring.counter_addrs[lease.slot], lease.done_addr, token, *tail)
             fire = launcher.fire.get(variant)
             if fire is not None and self.index == get_device():  # (`Launcher.launch`'s common case, one call less)

@@ -3,7 +3,8 @@
 The first launch of each compiled variant goes through Triton's JIT (`kernel[grid](...)`, which compiles). After
 it, on a GPU and outside any CUDA graph capture, a fast launcher is bound to the compiled kernel and validated by
 one no-op launch that must store its token into a pinned word: Triton's compiled C launcher called directly
-(NVIDIA; the calling conventions of Triton 3.6 and 3.9), else `CompiledKernel.run`. Each skips the JIT's argument
+(NVIDIA; the calling conventions of Triton 3.6 and 3.9; through the compiled `_cstaging.FastLaunch` where that
+helper is built), else `CompiledKernel.run`. Each skips the JIT's argument
 binding and specialization, the larger part of a launch's host time. Under Triton's interpreter every launch is the
 JIT's, serialized process-wide (the interpreter keeps program ids in global state).
 """
@@ -20,6 +21,7 @@ import torch
 import triton
 
 from multiwrite.capture import is_capturing, setup_calls, simulated_graph
+from multiwrite.staging.fields import _cstaging
 
 if TYPE_CHECKING:
     from multiwrite.backends.triton.device import TritonDevice
@@ -113,6 +115,26 @@ class Launcher:
             time.sleep(1e-5)
 
 
+def c_launcher(launch: Callable, head: tuple, consts: tuple, packed: bool) -> Callable:
+    """`fire(grid0, grid1, stream, args)` calling Triton's compiled C launcher `launch` as `launch(grid0, grid1, 1,
+    stream, *head, *args, *consts)`, or with `packed` (Triton 3.9) `launch(grid0, grid1, 1, stream, *head, (*args,
+    *consts))`: the compiled `_cstaging.FastLaunch` (one C call, no Python frame) where that helper is built, else
+    its Python twin."""
+    if _cstaging is not None:
+        return _cstaging.FastLaunch(launch, head, consts, packed)
+    if packed:
+
+        def fire(g0, g1, stream, args):
+            launch(g0, g1, 1, stream, *head, (*args, *consts))
+
+    else:
+
+        def fire(g0, g1, stream, args):
+            launch(g0, g1, 1, stream, *head, *args, *consts)
+
+    return fire
+
+
 def bind_fast_launcher(
     kernel: Any, consts: tuple, device: torch.device, mode: str, validate: Callable[[Callable], None]
 ) -> tuple[Callable | None, str]:
@@ -140,18 +162,11 @@ def bind_fast_launcher(
         coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
         if scratch == (0, 0) and coop is not None and pdl is not None and not getattr(run, "gsan_enabled", False):
             if hasattr(run, "arg_annotations"):  # Triton 3.9: (..., hooks, scratch, annotations, sig, args)
-                ann, ksig = run.arg_annotations, run.kernel_signature
-
-                def fire(g0, g1, stream, args):
-                    launch(g0, g1, 1, stream, function, coop, pdl, packed, None, None, None, None, None,
-                           ann, ksig, (*args, *consts))  # fmt: skip
-
+                head = (function, coop, pdl, packed, None, None, None, None, None, run.arg_annotations,
+                        run.kernel_signature)  # fmt: skip
+                fire = c_launcher(launch, head, consts, True)
             else:  # Triton 3.6: (..., scratch, scratch, metadata, launch metadata, hooks, *args)
-
-                def fire(g0, g1, stream, args):
-                    launch(g0, g1, 1, stream, function, coop, pdl, None, None, packed, None, None, None,
-                           *args, *consts)  # fmt: skip
-
+                fire = c_launcher(launch, (function, coop, pdl, None, None, packed, None, None, None), consts, False)
             candidates.append(("c-launcher", fire))
         else:
             reasons.append(f"c-launcher: scratch={scratch} cooperative={coop} pdl={pdl}")

@@ -89,11 +89,9 @@ class SlotMirror:
         scan state and buffer are guarded by `retire`; the caller's tensors by torch's stream rule). Call `launched`
         after the launch that reads `buf`, whether it was issued or not."""
         ring, slot = self.ring, lease.slot
-        before, queued = lease.token, False
+        token, queued = None, False
         try:
-            token = lease.next_token()
-            lease.keep = keep
-            ring.handed_over(lease)
+            token = ring.hand_over(lease, keep)
             lease.values[words] = token
             view = self.views[slot]
             if view is None or view[0] is not lease.values:
@@ -113,8 +111,8 @@ class SlotMirror:
                 current.wait_event(self.copied)  # type: ignore[union-attr, arg-type]
                 self.pending[slot] = current
         except BaseException:
-            if not queued and lease.token != before:  # (an interrupt as the token advanced included)
-                ring.launch_failed(lease, lease.token)  # no copy will release it
+            if token is not None and not queued:  # (`hand_over` frees the slot itself when it fails)
+                ring.launch_failed(lease, token)  # no copy will release it
             raise
 
     def launched(self, slot: int) -> None:

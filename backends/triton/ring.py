@@ -102,6 +102,22 @@ class SlotRing(StagingBuffers):
         """Record `lease` as the memory of its slot: the one the slot's completion word guards from now on."""
         self.leases[lease.slot] = lease
 
+    def hand_over(self, lease: Lease, keep: object) -> int:
+        """What precedes every launch (or device copy) that reads `lease`, a slot of this ring: its next token (the
+        return value), `keep` referenced by the lease until the slot's next hand-over, and `lease` recorded as the
+        memory the slot's completion word guards (`handed_over`). Interrupted after the token advanced, the slot is
+        free again (nothing read it) before the interrupt propagates."""
+        before = lease.token
+        try:
+            token = lease.next_token()
+            lease.keep = keep
+            self.leases[lease.slot] = lease
+        except BaseException:
+            if lease.token != before:
+                self.launch_failed(lease, lease.token)
+            raise
+        return token
+
     def release(self, lease: Lease) -> None:
         """`lease`, acquired for an apply that failed before its launch, goes back: the next `acquire` returns it."""
         if (lease.slot + 1) % self.depth == self.next and self.leases[lease.slot] is lease:

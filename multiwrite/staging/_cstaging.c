@@ -24,7 +24,7 @@
  * Its source is split by type: this file holds the module itself (its functions bind_clock, set_fallbacks and
  * scatter_writes, the small type Countdown, PyInit) and the module's globals (the staging clock, the Python twin's fallbacks);
  * _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging, _cstaging_headers.c
- * HeaderRingFields, _cstaging_vllm.c VllmStaging; _cstaging.h what they share (the structs of more than one file, the header ring's layout, the
+ * HeaderRingFields, _cstaging_vllm.c VllmStaging, _cstaging_launch.c FastLaunch; _cstaging.h what they share (the structs of more than one file, the header ring's layout, the
  * type objects and what they share, the globals and the arena's shared steps, all named mw_* and hidden outside the
  * extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
  * mw_clear_refs, mw_gc_dealloc) and the TypeError of a call whose arguments do not bind (mw_usage_error).
@@ -246,7 +246,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "multiwrite.staging._
 PyMODINIT_FUNC PyInit__cstaging(void) {
     if (PyType_Ready(&mw_LeaseFieldsType) < 0 || PyType_Ready(&mw_ArenaFieldsType) < 0 ||
         PyType_Ready(&mw_BlockIdStagingType) < 0 || PyType_Ready(&mw_HeaderRingFieldsType) < 0 ||
-        PyType_Ready(&mw_VllmStagingType) < 0 || PyType_Ready(&CountdownType) < 0)
+        PyType_Ready(&mw_VllmStagingType) < 0 || PyType_Ready(&CountdownType) < 0 ||
+        PyType_Ready(&mw_FastLaunchType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -257,6 +258,7 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
         PyModule_AddObjectRef(m, "HeaderRingFields", (PyObject *)&mw_HeaderRingFieldsType) < 0 ||
         PyModule_AddObjectRef(m, "VllmStaging", (PyObject *)&mw_VllmStagingType) < 0 ||
         PyModule_AddObjectRef(m, "Countdown", (PyObject *)&CountdownType) < 0 ||
+        PyModule_AddObjectRef(m, "FastLaunch", (PyObject *)&mw_FastLaunchType) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_WORDS", HEADER_WORDS) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_WRITES", INLINE_WRITES) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_VALUES", INLINE_VALUES) < 0 ||

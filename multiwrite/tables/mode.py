@@ -146,6 +146,13 @@ class TablesMode:
         """`gather_block_tables`, `compute_slot_mappings` and `prepare_inputs` (`consume`): the preamble, the inputs
         (`padded` None: no gather, `tokens` None: no slot mappings) and the job; returns the checked step.
 
+        A job that gathers into `input_block_tables` (`step.do_gather`) also writes the rows the last gather (or
+        dummy) left past this one's padded rows, zeroed (vLLM 0.33's rule; a captured gather bakes them in, as
+        vLLM's capture would). The count of rows left non-zero moves only once the launch was issued: not when the
+        job raises an `Exception` (raised as `failure`: it launched nothing), to the larger of both counts on an
+        interrupt (which may come either side of the launch). Other outputs (`gather_outs`, `slots_out`) are
+        written by torch ops, after an apply when `apply_staged`.
+
         Raises:
             StageInputError: bad inputs; and what `enter` and the job raise.
         """
@@ -159,8 +166,21 @@ class TablesMode:
             step = StepInputs.on_device(self.layout, idx, padded, qsl, pos, tokens, pad, nct)
         if step is None:
             step = self.check_inputs(what, idx, padded, qsl, pos, tokens, pad, nct, apply_staged or consume)
-        if not custom:
-            self.run_launch(step, apply_staged, consume)
+        if not custom:  # (the job: `launch`, which gathers into `input_block_tables` when `step.do_gather`)
+            gather = step.do_gather
+            dirty = self._dirty_rows
+            if gather and dirty > step.num_rows:
+                step.num_rows = dirty
+            try:
+                self.launch(step, apply_staged, consume)
+            except Exception as exc:
+                raise self.failure(exc) from exc
+            except BaseException:
+                if gather:
+                    self._dirty_rows = max(dirty, step.num_reqs)
+                raise
+            if gather:
+                self._dirty_rows = step.num_reqs
             return step
         layout = self.layout
         if gather_outs is not None:
@@ -180,27 +200,6 @@ class TablesMode:
         counts = (lambda: self._num_blocks) if staged else self.landed_counts
         return StepInputs.check(self.layout, what, idx, padded, qsl, pos, tokens, pad, counts,
                                 device_only=is_capturing(self.device), num_computed_tokens=nct)  # fmt: skip
-
-    def run_launch(self, step: StepInputs, apply_staged: bool, consume: bool) -> None:
-        """`launch(step, ...)`, a job that gathers into `input_block_tables` when `step.do_gather`. The rows it
-        writes include those the last gather (or dummy) left past this one's padded rows, zeroed (vLLM 0.33's rule;
-        a captured gather bakes them in, as vLLM's capture would). The count of rows left non-zero moves only once
-        the launch was issued: not when the job raises an `Exception` (raised as `failure`: it launched nothing), to
-        the larger of both counts on an interrupt (which may come either side of the launch)."""
-        gather = step.do_gather
-        dirty = self._dirty_rows
-        if gather and dirty > step.num_rows:
-            step.num_rows = dirty
-        try:
-            self.launch(step, apply_staged, consume)
-        except Exception as exc:
-            raise self.failure(exc) from exc
-        except BaseException:
-            if gather:
-                self._dirty_rows = max(dirty, step.num_reqs)
-            raise
-        if gather:
-            self._dirty_rows = step.num_reqs
 
     def dummy_block_tables(self, num_reqs: Any) -> tuple[torch.Tensor, ...]:
         """`BlockTables.get_dummy_block_tables`."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from multiwrite import BlockTables, FusedStagedWriter, StagedWriteTensor
+from multiwrite.backends.triton import launcher as launcher_module
 from multiwrite.backends.triton.backend import TritonCudaBackend
 from multiwrite.backends.triton.kernels import stage as stage_kernel
 from multiwrite.backends.triton.launcher import bind_fast_launcher
@@ -121,7 +122,12 @@ class _Kernel:
         self.run, self.function, self.packed_metadata = _Run(annotations), "fn", "meta"
 
 
-def test_the_c_launcher_is_bound_first_with_each_triton_calling_convention():
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python-twin"])
+def test_the_c_launcher_is_bound_first_with_each_triton_calling_convention(compiled, monkeypatch):
+    if compiled and launcher_module._cstaging is None:
+        pytest.skip("the compiled staging helper is not built")
+    if not compiled:
+        monkeypatch.setattr(launcher_module, "_cstaging", None)
     k36 = _Kernel()
     fire, path = bind_fast_launcher(k36, ("C",), CUDA, "auto", lambda f: None)
     assert path.startswith("c-launcher (triton ")
@@ -133,6 +139,31 @@ def test_the_c_launcher_is_bound_first_with_each_triton_calling_convention():
     fire(3, 2, 77, (10, 11))
     kind, args = k39.run.calls[-1]
     assert kind == "launch" and args[:5] == (3, 2, 1, 77, "fn") and args[-3:] == ("ann", "sig", (10, 11, "C"))
+    assert len(args) == 16 and args[5:8] == (False, False, "meta")  # cooperative, pdl, the metadata, hooks...
+    assert (type(fire).__name__ == "FastLaunch") is compiled
+
+
+def test_the_compiled_launch_refuses_a_call_it_cannot_pass_on():
+    if launcher_module._cstaging is None:
+        pytest.skip("the compiled staging helper is not built")
+    fire = launcher_module.c_launcher(_Run().launch, ("fn",), (), False)
+    with pytest.raises(TypeError, match="four positional arguments"):
+        fire(1, 1, 0)
+    with pytest.raises(TypeError, match="args a tuple"):
+        fire(1, 1, 0, [5])
+    with pytest.raises(TypeError, match="not initialized"):
+        type(fire).__new__(type(fire))(1, 1, 0, ())
+    # a long argument list (past the C stack's 64) and an error of the launcher pass through unchanged
+    run = _Run()
+    fire = launcher_module.c_launcher(run.launch, tuple(range(40)), tuple(range(30)), False)
+    fire(1, 2, 3, tuple(range(10)))
+    assert run.calls[-1] == ("launch", (1, 2, 1, 3, *range(40), *range(10), *range(30)))
+
+    def failing(*a):
+        raise ValueError("launch failed")
+
+    with pytest.raises(ValueError, match="launch failed"):
+        launcher_module.c_launcher(failing, (), (), True)(1, 1, 0, ())
 
 
 def test_a_candidate_failing_its_validation_launch_is_skipped_with_its_reason():
