@@ -145,18 +145,19 @@ class DeviceWritesRunner:
 
     def _captured_launch(self, writes, tiles, words, arg_sets, scanned, variant, consts, grid, fault_addr,
                          tail) -> None:  # fmt: skip
-        """The launch of a call being captured: descriptors and scan state of its own, kept for the process."""
+        """The launch of a call being captured: descriptors and scan state of its own, kept for the process. No
+        completion word (done 0): its memory is never rewritten, so no replay needs to say it has read it (and the
+        kernel skips the store into host memory and, unless it scans, its completion counter)."""
         device = self.device
         total = tail[-1]
         with setup_calls(device.device):
             desc = torch.zeros(max(words, 1), dtype=torch.int64, pin_memory=device.is_gpu)
-            word = torch.zeros(2, dtype=torch.int32, pin_memory=device.is_gpu)  # its counter and completion word
         state = _state(device.device, total)
         counter = torch.zeros(1, dtype=torch.int32, device=device.device)
         sets = _describe(desc.numpy()[:words], writes, tiles, arg_sets, desc.data_ptr())
-        self.captured.append((desc, word, state, counter, writes))
-        args = (*_lead(desc.data_ptr(), sets, state, fault_addr), counter.data_ptr(), word.data_ptr(), 1,
-                *_tail(tail, state, scanned))
+        self.captured.append((desc, state, counter, writes))
+        args = (*_lead(desc.data_ptr(), sets, state, fault_addr), counter.data_ptr(), 0, 0,
+                *_tail(tail, state, scanned))  # fmt: skip
         self.launcher.launch(variant, consts, *grid, args, jit=device.is_gpu)
 
 
