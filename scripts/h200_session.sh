@@ -10,6 +10,8 @@
 #   sglang  tests/sglang on CUDA and multiwrite bench --sglang (SGLang's files from $MULTIWRITE_SGLANG_SRC,
 #           default .sglang-src: allocation.py, common.py, memory_pool.py out of SGLang 0.5.23's wheel)
 #   old     the named new GPU tests ($OLD_TESTS) against the tree in .old-tree.tar (they must fail there)
+#   costs   scripts/stage_host_costs.py (where the eager stage's host time goes)
+#   oldcosts  the same script of the tree in .old-tree.tar, run against that tree (a before/after in one session)
 set -u
 out=${OUT:-$PWD/h200-out}
 mkdir -p "$out"
@@ -40,6 +42,10 @@ for part in $parts; do
          for t in ${OLD_TESTS:-}; do mkdir -p "/tmp/old/$(dirname "$t")"; cp "$t" "/tmp/old/$t"; done && \
          (cd /tmp/old && ln -sfn ../backends multiwrite/backends 2>/dev/null; python3 setup.py -q build_ext --inplace >/dev/null 2>&1; \
           PYTHONPATH=/tmp/old timeout ${OLD_S:-180} python3 -m pytest -q -rfE -p no:cacheprovider ${OLD_TESTS:-}) >"$out/old.log" 2>&1 ;;
+    costs) PYTHONPATH=$PWD timeout 240 python3 scripts/stage_host_costs.py --profile ${PROFILE_N:-14} >"$out/costs.log" 2>&1 ;;
+    oldcosts) rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf .old-tree.tar -C /tmp/old && \
+         (cd /tmp/old && ln -sfn ../backends multiwrite/backends 2>/dev/null; python3 setup.py -q build_ext --inplace >/dev/null 2>&1; \
+          PYTHONPATH=/tmp/old timeout 240 python3 scripts/stage_host_costs.py --profile ${PROFILE_N:-14}) >"$out/oldcosts.log" 2>&1 ;;
     *) echo "unknown part $part"; continue ;;
   esac
   rc=$?
