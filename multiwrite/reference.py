@@ -10,7 +10,7 @@ the table, row, start, length and shape), so that a differential test can check 
   applied (for any subset of tables, in true staging order across tables, as one `FusedStagedWriter.apply`),
   cleared, or kept when the table is replaced by another of a shape they still fit.
 - `ReferenceBlockTables`: `BlockTables` semantics: kernel block expansion, `num_blocks`, apply and clear
-  (`misfit_kernel_block`: the check of its block sizes, which `BlockTables` and `multiwrite replay` make too).
+  (`misfit_kernel_block`: the check of its block sizes, which `multiwrite replay` makes too).
 - `apply_device_writes_reference`: `multiwrite.apply_device_writes` semantics (device-sourced writes, read through
   the fields of each set; bad writes refused with host copies, skipped without).
 """
@@ -168,7 +168,7 @@ def apply_staged_reference(tables: Iterable[ReferenceStagedTable]) -> None:
 def misfit_kernel_block(block_sizes: Sequence[int], kernel_block_sizes: Sequence[int]) -> str | None:
     """What is wrong with the first group whose block size is not a multiple of its kernel block size (`"group 1
     block size 24 is not a positive multiple of its kernel block size 16"`); None when each is (`zip`: the lists'
-    common length). The one wording of this check: `BlockTables`, this reference and `multiwrite replay`."""
+    common length). The wording `BlockTables` uses too."""
     for g, (b, kb) in enumerate(zip(block_sizes, kernel_block_sizes)):
         if b % kb:
             return f"group {g} block size {b} is not a positive multiple of its kernel block size {kb}"

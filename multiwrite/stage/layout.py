@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from multiwrite.errors import StagedWriteError
-from multiwrite.reference import misfit_kernel_block
 from multiwrite.staging.layout import INT32_MAX, strict_index
 
 #: The slot of a token nobody stores (vLLM's `PAD_SLOT_ID`).
@@ -157,10 +156,13 @@ class TablesLayout:
         ):
             if len(seq) != num_groups:
                 raise StagedWriteError(f"BlockTables: {what} has {len(seq)} entries for {num_groups} KV-cache groups")
-        misfit = misfit_kernel_block(self.block_sizes, self.kernel_block_sizes)
-        if misfit is not None:
-            raise StagedWriteError(f"BlockTables: {misfit}")
-        self.kernel_blocks_per_block = [bs // kbs for bs, kbs in zip(self.block_sizes, self.kernel_block_sizes)]
+        self.kernel_blocks_per_block = []
+        for g, (bs, kbs) in enumerate(zip(self.block_sizes, self.kernel_block_sizes)):
+            if bs % kbs:  # (the wording of `multiwrite.reference.misfit_kernel_block`, which this floor cannot import)
+                raise StagedWriteError(
+                    f"BlockTables: group {g} block size {bs} is not a positive multiple of its kernel block size {kbs}"
+                )
+            self.kernel_blocks_per_block.append(bs // kbs)
         self.widths = [m * k for m, k in zip(self.max_num_blocks_per_group, self.kernel_blocks_per_block)]
         for g, w in enumerate(self.widths):
             if w > INT32_MAX:
