@@ -41,19 +41,24 @@ DESIGNS = (OursBatched, Ours, VllmThreeCalls)
 
 def recorded_gather(bt, x: StepBuffers):
     """The stage launcher of `bt`'s device, and the `(variant, grid0, args)` of one gather-only launch of
-    `bt.gather_block_tables(x.idx, x.n)` (nothing staged), recorded as `plan._stage` passes them."""
+    `bt.gather_block_tables(x.idx, x.n)` (nothing staged), recorded at its bound fast launcher (two calls first:
+    the second binds it)."""
     launcher = bt.backend.device_state(bt.device).stage_launcher
+    bt.gather_block_tables(x.idx, x.n)
+    bt.gather_block_tables(x.idx, x.n)
     seen = []
-    launch = launcher.launch
-    launcher.launch = lambda variant, consts, g0, g1, a, *rest, **kw: (
-        seen.append((variant, g0, a)),
-        launch(variant, consts, g0, g1, a, *rest, **kw),
-    )
+    bound = dict(launcher.fire)
+
+    def recording(variant, fire):
+        return lambda g0, g1, stream, args: (seen.append((variant, g0, args)), fire(g0, g1, stream, args))
+
+    launcher.fire.update({v: recording(v, f) for v, f in bound.items() if f is not None})
     try:
         bt.gather_block_tables(x.idx, x.n)
-        bt.gather_block_tables(x.idx, x.n)  # (the second one is bound to the fast launcher)
     finally:
-        del launcher.launch
+        launcher.fire.update(bound)
+    if not seen:
+        raise RuntimeError(f"the gather did not launch through a bound fast launcher ({launcher.path})")
     return launcher, seen[-1]
 
 

@@ -21,7 +21,7 @@ needs_sglang = pytest.mark.skipif(not upstream.configured(), reason=upstream.SKI
 
 
 @needs_sglang
-def test_the_run_measures_both_writers_of_both_at_each_bs_and_compares_their_tables(tmp_path):
+def test_the_run_measures_both_writers_of_both_at_each_bs_and_compares_their_tables(tmp_path, auto_selection):
     ticks = []
     source = upstream.locate_sources(tmp_path / "src")
     result = measure_sglang(load_trace(SMALL_TRACE), torch.device("cpu"), [1, 3], 3, 1, None, ticks.append, "now",
@@ -63,7 +63,7 @@ def test_the_goals_are_judged_from_device_times(extend_x, decode_x, kernels, met
 
 
 @needs_sglang
-def test_the_command_writes_its_report_csv_and_plot(tmp_path, capsys):
+def test_the_command_writes_its_report_csv_and_plot(tmp_path, capsys, auto_selection):
     pytest.importorskip("matplotlib")
     code = main(["bench", "--sglang", "--quick", "--sglang-bs", "2", "--steps", "3", "--warmup", "1", "--trace",
                  SMALL_TRACE, "--csv", str(tmp_path / "s.csv"), "--plot", str(tmp_path / "s.png"), "--no-progress",
