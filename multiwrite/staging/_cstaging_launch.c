@@ -23,58 +23,57 @@ typedef struct {
 
 static PyObject *fast_launch_call(FastLaunch *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (self->head == NULL || self->launch == NULL || self->consts == NULL) {
+    if (self->head == NULL) {
         PyErr_SetString(PyExc_TypeError, "FastLaunch: not initialized");
         return NULL;
     }
     if (nargs != 4 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) || !PyTuple_Check(args[3]))
         return mw_usage_error("fire(grid0, grid1, stream, args): four positional arguments, args a tuple");
-    /* (held for the call: a callee that borrows the stack (METH_FASTCALL) and re-initializes this object must not
-     * free what it reads) */
-    PyObject *launch = Py_NewRef(self->launch), *head = Py_NewRef(self->head), *consts = Py_NewRef(self->consts);
-    PyObject *kernel_args = args[3], *result = NULL, *packed = NULL;
-    Py_ssize_t nhead = PyTuple_GET_SIZE(head), nk = PyTuple_GET_SIZE(kernel_args);
-    Py_ssize_t nconsts = PyTuple_GET_SIZE(consts);
-    int as_tuple = self->packed;
-    Py_ssize_t total = 4 + nhead + (as_tuple ? 1 : nk + nconsts);
+    PyObject *kernel_args = args[3];
+    Py_ssize_t nhead = PyTuple_GET_SIZE(self->head), nk = PyTuple_GET_SIZE(kernel_args);
+    Py_ssize_t nconsts = PyTuple_GET_SIZE(self->consts);
+    Py_ssize_t total = 4 + nhead + (self->packed ? 1 : nk + nconsts);
     PyObject *small[STACK_ARGS], **stack = small;
-    if (total > STACK_ARGS && (stack = PyMem_Malloc(sizeof(PyObject *) * (size_t)total)) == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    if (total > STACK_ARGS) {
+        stack = PyMem_Malloc(sizeof(PyObject *) * (size_t)total);
+        if (stack == NULL)
+            return PyErr_NoMemory();
     }
     static PyObject *one = NULL;
     if (one == NULL && (one = PyLong_FromLong(1)) == NULL)
-        goto done;
+        goto fail;
+    PyObject *packed = NULL;
     stack[0] = args[0];
     stack[1] = args[1];
     stack[2] = one;
     stack[3] = args[2];
     Py_ssize_t at = 4;
     for (Py_ssize_t i = 0; i < nhead; i++)
-        stack[at++] = PyTuple_GET_ITEM(head, i);
-    if (as_tuple) {
-        if ((packed = PyTuple_New(nk + nconsts)) == NULL)
-            goto done;
+        stack[at++] = PyTuple_GET_ITEM(self->head, i);
+    if (self->packed) {
+        packed = PyTuple_New(nk + nconsts);
+        if (packed == NULL)
+            goto fail;
         for (Py_ssize_t i = 0; i < nk; i++)
             PyTuple_SET_ITEM(packed, i, Py_NewRef(PyTuple_GET_ITEM(kernel_args, i)));
         for (Py_ssize_t i = 0; i < nconsts; i++)
-            PyTuple_SET_ITEM(packed, nk + i, Py_NewRef(PyTuple_GET_ITEM(consts, i)));
+            PyTuple_SET_ITEM(packed, nk + i, Py_NewRef(PyTuple_GET_ITEM(self->consts, i)));
         stack[at++] = packed;
     } else {
         for (Py_ssize_t i = 0; i < nk; i++)
             stack[at++] = PyTuple_GET_ITEM(kernel_args, i);
         for (Py_ssize_t i = 0; i < nconsts; i++)
-            stack[at++] = PyTuple_GET_ITEM(consts, i);
+            stack[at++] = PyTuple_GET_ITEM(self->consts, i);
     }
-    result = PyObject_Vectorcall(launch, stack, (size_t)total, NULL);
-done:
+    PyObject *result = PyObject_Vectorcall(self->launch, stack, (size_t)total, NULL);
     Py_XDECREF(packed);
     if (stack != small)
         PyMem_Free(stack);
-    Py_DECREF(launch);
-    Py_DECREF(head);
-    Py_DECREF(consts);
     return result;
+fail:
+    if (stack != small)
+        PyMem_Free(stack);
+    return NULL;
 }
 
 static int fast_launch_init(FastLaunch *self, PyObject *args, PyObject *kwargs) {
