@@ -355,7 +355,18 @@ static const Py_ssize_t staging_refs[] = {offsetof(BlockIdStaging, arena),   off
                                           offsetof(BlockIdStaging, applied), offsetof(BlockIdStaging, stamps),
                                           offsetof(BlockIdStaging, groups),  -1};
 
-MW_GC_FUNCS(staging, BlockIdStaging)
+static int staging_traverse(BlockIdStaging *self, visitproc visit, void *arg) {
+    return mw_visit_refs((PyObject *)self, staging_refs, visit, arg);
+}
+
+/* (not MW_GC_FUNCS: the buffer views of the bound arrays are released first) */
+static int staging_tp_clear(BlockIdStaging *self) {
+    staging_release(self);
+    mw_clear_refs((PyObject *)self, staging_refs);
+    return 0;
+}
+
+static void staging_dealloc(BlockIdStaging *self) { mw_gc_dealloc((PyObject *)self, (inquiry)staging_tp_clear); }
 
 static PyMethodDef staging_methods[] = {
     {"append_block_ids", (PyCFunction)(void (*)(void))staging_append, METH_FASTCALL | METH_KEYWORDS,

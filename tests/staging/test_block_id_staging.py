@@ -280,3 +280,20 @@ def test_staging_that_outgrows_the_arena_in_the_middle_of_a_call_loses_nothing(b
     bt.apply_staged_writes()
     ref.apply_staged_writes()
     assert mismatches(bt, ref) == []
+
+
+@needs_c
+def test_collected_tables_release_the_compiled_stagings_views_of_their_count_arrays():
+    """The compiled staging holds buffer views of the host counts while bound (each view references its array); once
+    its `BlockTables` is collected, none may remain, or the arrays stay alive for the process (found in review: a GC
+    refactor dropped the release from the type's `tp_clear`)."""
+    import gc
+    import weakref
+
+    bt = BlockTables(BS, REQS, WIDTHS, "cpu", kernel_block_sizes=KBS)
+    assert type(bt).append_block_ids is fields._cstaging.BlockIdStaging.append_block_ids  # (the compiled staging)
+    counts = weakref.ref(bt.num_blocks)
+    bt.append_block_ids(0, [[1], [2], [3]], True)
+    del bt
+    gc.collect()
+    assert counts() is None
