@@ -23,6 +23,12 @@ python3 setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || { cat "$out/bu
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 3; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; python3 -m multiwrite info; } >"$out/env.log" 2>&1
 cat "$out/env.log"
+# The tree in .old-tree.tar, unpacked into /tmp/old with its own helper built (its backends importable as
+# multiwrite.backends when /tmp/old leads PYTHONPATH).
+old_tree() {
+  rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf .old-tree.tar -C /tmp/old && \
+    (cd /tmp/old && ln -sfn ../backends multiwrite/backends 2>/dev/null; python3 setup.py -q build_ext --inplace >/dev/null 2>&1)
+}
 for part in $parts; do
   start=$(date +%s)
   case $part in
@@ -38,14 +44,12 @@ for part in $parts; do
               --plot "$out/sglang.png"; } >"$out/sglang.log" 2>&1 ;;
     oracle) MULTIWRITE_VLLM_SCENARIOS=${SCENARIOS:-100} timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider \
               tests/vllm >"$out/oracle.log" 2>&1 ;;
-    old) rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf .old-tree.tar -C /tmp/old && \
-         for t in ${OLD_TESTS:-}; do mkdir -p "/tmp/old/$(dirname "$t")"; cp "$t" "/tmp/old/$t"; done && \
-         (cd /tmp/old && ln -sfn ../backends multiwrite/backends 2>/dev/null; python3 setup.py -q build_ext --inplace >/dev/null 2>&1; \
-          PYTHONPATH=/tmp/old timeout ${OLD_S:-180} python3 -m pytest -q -rfE -p no:cacheprovider ${OLD_TESTS:-}) >"$out/old.log" 2>&1 ;;
+    old) old_tree && for t in ${OLD_TESTS:-}; do mkdir -p "/tmp/old/$(dirname "$t")"; cp "$t" "/tmp/old/$t"; done && \
+         (cd /tmp/old && PYTHONPATH=/tmp/old timeout ${OLD_S:-180} python3 -m pytest -q -rfE -p no:cacheprovider \
+          ${OLD_TESTS:-}) >"$out/old.log" 2>&1 ;;
     costs) PYTHONPATH=$PWD timeout 240 python3 scripts/stage_host_costs.py --profile ${PROFILE_N:-14} >"$out/costs.log" 2>&1 ;;
-    oldcosts) rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf .old-tree.tar -C /tmp/old && \
-         (cd /tmp/old && ln -sfn ../backends multiwrite/backends 2>/dev/null; python3 setup.py -q build_ext --inplace >/dev/null 2>&1; \
-          PYTHONPATH=/tmp/old timeout 240 python3 scripts/stage_host_costs.py --profile ${PROFILE_N:-14}) >"$out/oldcosts.log" 2>&1 ;;
+    oldcosts) old_tree && (cd /tmp/old && PYTHONPATH=/tmp/old timeout 240 python3 scripts/stage_host_costs.py \
+              --profile ${PROFILE_N:-14}) >"$out/oldcosts.log" 2>&1 ;;
     *) echo "unknown part $part"; continue ;;
   esac
   rc=$?
