@@ -10,7 +10,7 @@ setup(
     ext_modules=[
         Extension(
             "multiwrite.staging._cstaging",
-            # One module from six files (multiwrite/staging/_cstaging.h says what holds what).
+            # One module from seven files (multiwrite/staging/_cstaging.h says what holds what).
             [
                 "multiwrite/staging/_cstaging.c",
                 "multiwrite/staging/_cstaging_arena.c",
@@ -18,6 +18,7 @@ setup(
                 "multiwrite/staging/_cstaging_headers.c",
                 "multiwrite/staging/_cstaging_vllm.c",
                 "multiwrite/staging/_cstaging_launch.c",
+                "multiwrite/staging/_cstaging_stage.c",
             ],
             depends=["multiwrite/staging/_cstaging.h"],
             optional=True,

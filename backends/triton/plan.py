@@ -19,6 +19,7 @@ from multiwrite.backends.triton.kernels import stage
 from multiwrite.backends.triton.launcher import get_device, get_stream
 from multiwrite.capture import settle
 from multiwrite.plugins.backend import GraphPlan
+from multiwrite.stage.entry import StageLaunchSpec
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.stage.step import StepInputs
 from multiwrite.staging.arena import Lease, StagingArena
@@ -133,7 +134,7 @@ class TritonPlan(GraphPlan):
                *self._cp, nct.dtype if window else torch.int32, window)  # fmt: skip
         consts = self._consts.get(key)
         if consts is None:
-            consts = self._consts[key] = self._variant(key)
+            consts = self._consts[key] = self.constexprs(key)
         G = self._groups
         padded = step.num_rows  # (>= num_reqs_padded: rows a previous gather left are zeroed too)
         grid0 = G * (padded + 1) * self.splits
@@ -167,7 +168,8 @@ class TritonPlan(GraphPlan):
                          (self._sdesc_addr, lease.meta_addr, lease.values_addr, lease.bounds_addr),
                          (w, v, rounds, tiles, tiles * splits, *tail), self.desc)  # fmt: skip
 
-    def _variant(self, key: tuple) -> dict:
+    def constexprs(self, key: tuple) -> dict:
+        """The stage kernel's compile-time constants of the variant `key` (`_stage`'s key)."""
         idx, qsl, pos, has_padding, do_gather, do_slots, has_writes, pdl, cp_size, cp_interleave, nct, window = key
         return {
             "IDX_DTYPE": TL_INDEX[idx], "QSL_DTYPE": TL_INDEX[qsl], "POS_DTYPE": TL_INDEX[pos],
@@ -175,6 +177,22 @@ class TritonPlan(GraphPlan):
             "CP_SIZE": cp_size, "CP_INTERLEAVE": cp_interleave, "HAS_PADDING": has_padding,
             "DO_GATHER": do_gather, "DO_SLOTS": do_slots, "HAS_WRITES": has_writes, "PDL": pdl,
         }  # fmt: skip
+
+    def stage_launch_spec(self) -> StageLaunchSpec | None:
+        """On a GPU, `launch_spec()`: the compiled entry launches this plan's lease-less stage calls itself; None
+        under the interpreter."""
+        return self.launch_spec() if self.device.is_gpu else None
+
+    def launch_spec(self) -> StageLaunchSpec:
+        """What `_stage` fixes of a lease-less launch of the stage kernel (`multiwrite.stage.entry`): the entry builds
+        the same arguments and variant key from it."""
+        layout = self.layout
+        mnbt = layout.max_num_batched_tokens
+        return StageLaunchSpec(
+            self.device.stage_launcher, self.device.index, get_device, get_stream, layout, layout.max_num_reqs,
+            -1 if mnbt is None else mnbt, self._groups, self.splits, self._sdesc_addr, self._fallback, *self._cp,
+            self._window,
+        )  # fmt: skip
 
     # -- graph mode -------------------------------------------------------------------------------------------------
     def consume(self, ring: HeaderRing, limit: int) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from multiwrite.errors import BackendError, StagedWriteError
 from multiwrite.plugins.checked import broken, lender, shown
+from multiwrite.stage.entry import StageLaunchSpec
 from multiwrite.stage.torch_stage import run_stage_torch
 from multiwrite.staging.arena import Lease, StagingArena, StagingBuffers
 from multiwrite.staging.layout import (
@@ -396,6 +397,12 @@ class TablesPlan:
     def refresh(self) -> None:
         """Rewrite whatever this plan keeps on the device about the layout's addresses (`BlockTables.refresh_layout`:
         the memory it lives in may have been discarded and restored); the default keeps nothing there."""
+
+    def stage_launch_spec(self) -> StageLaunchSpec | None:
+        """Optional: what the compiled entry of eager stage calls needs to launch this plan's stage kernel itself
+        (`multiwrite.stage.entry`: the Triton backends' stage kernel and argument order); None (the default): every
+        stage call runs `stage(step)` through the one Python path."""
+        return None
 
 
 class GraphPlan(TablesPlan):

@@ -174,10 +174,7 @@ done:
 
 /* ---- Countdown ----------------------------------------------------------------------------------------- */
 
-typedef struct {
-    PyObject_HEAD Py_ssize_t period;
-    Py_ssize_t left;
-} Countdown;
+typedef mw_Countdown Countdown;
 
 static PyMemberDef countdown_members[] = {
     {"period", T_PYSSIZET, offsetof(Countdown, period), READONLY, "truth tests per true one"},
@@ -220,7 +217,7 @@ static PyMethodDef countdown_methods[] = {
 
 static PyNumberMethods countdown_number = {.nb_bool = (inquiry)countdown_bool};
 
-static PyTypeObject CountdownType = {
+PyTypeObject mw_CountdownType = {
     MW_TYPE_HEAD("Countdown", Countdown, countdown, 0,
                  "Countdown(period): its truth test is true at every period-th test (and at every test after it "
                  "until restart()); Python twin: multiwrite.staging.fields.PyCountdown."),
@@ -246,8 +243,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "multiwrite.staging._
 PyMODINIT_FUNC PyInit__cstaging(void) {
     if (PyType_Ready(&mw_LeaseFieldsType) < 0 || PyType_Ready(&mw_ArenaFieldsType) < 0 ||
         PyType_Ready(&mw_BlockIdStagingType) < 0 || PyType_Ready(&mw_HeaderRingFieldsType) < 0 ||
-        PyType_Ready(&mw_VllmStagingType) < 0 || PyType_Ready(&CountdownType) < 0 ||
-        PyType_Ready(&mw_FastLaunchType) < 0)
+        PyType_Ready(&mw_VllmStagingType) < 0 || PyType_Ready(&mw_CountdownType) < 0 ||
+        PyType_Ready(&mw_FastLaunchType) < 0 || PyType_Ready(&mw_StageEntryType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -257,8 +254,9 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
         PyModule_AddObjectRef(m, "BlockIdStaging", (PyObject *)&mw_BlockIdStagingType) < 0 ||
         PyModule_AddObjectRef(m, "HeaderRingFields", (PyObject *)&mw_HeaderRingFieldsType) < 0 ||
         PyModule_AddObjectRef(m, "VllmStaging", (PyObject *)&mw_VllmStagingType) < 0 ||
-        PyModule_AddObjectRef(m, "Countdown", (PyObject *)&CountdownType) < 0 ||
+        PyModule_AddObjectRef(m, "Countdown", (PyObject *)&mw_CountdownType) < 0 ||
         PyModule_AddObjectRef(m, "FastLaunch", (PyObject *)&mw_FastLaunchType) < 0 ||
+        PyModule_AddObjectRef(m, "StageEntry", (PyObject *)&mw_StageEntryType) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_WORDS", HEADER_WORDS) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_WRITES", INLINE_WRITES) < 0 ||
         PyModule_AddIntConstant(m, "INLINE_VALUES", INLINE_VALUES) < 0 ||

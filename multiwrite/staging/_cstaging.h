@@ -2,7 +2,7 @@
  * multiwrite/staging/_cstaging.h: what the source files of the one extension module multiwrite.staging._cstaging
  * share (private: only its .c files include it, and nothing here is a Python-visible name of its own). It holds the
  * two structs more than one file reads (LeaseFields and ArenaFields; their types are in _cstaging_arena.c), the
- * header ring's layout (constants PyInit also exports), the six type objects, the module's globals (the staging
+ * header ring's layout (constants PyInit also exports), the type objects shared between files, the module's globals (the staging
  * clock, the Python twin's fallbacks; defined in _cstaging.c), what the type objects share (the macros MW_TYPE_HEAD
  * and MW_GC_SLOTS, and helpers defined in _cstaging.c), and the arena's C-level steps that block-id
  * staging and graph mode's publish take (defined in _cstaging_arena.c). Every name shared between files starts with
@@ -14,6 +14,8 @@
  * - _cstaging_headers.c: HeaderRingFields (publish, commit).
  * - _cstaging_vllm.c: VllmStaging (multiwrite.vllm.BlockTables.append_block_ids).
  * - _cstaging_launch.c: FastLaunch (a compiled Triton kernel's launch, multiwrite/backends/triton/launcher.py).
+ * - _cstaging_stage.c: StageEntry (an eager gather or slot-mapping call checked and launched in one C call,
+ *   multiwrite/stage/entry.py).
  */
 #ifndef MULTIWRITE_STAGING_CSTAGING_H
 #define MULTIWRITE_STAGING_CSTAGING_H
@@ -31,7 +33,7 @@
 #define MW_INTERNAL
 #endif
 
-/* ---- what the six types share (the helpers: _cstaging.c) ---------------------------------------------- */
+/* ---- what the types share (the helpers: _cstaging.c) ---------------------------------------------- */
 
 /* The fields every one of the module's type objects sets: its name in the module, its struct, the flags besides
  * Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE (each type is the base class of a Python class), its doc, and its tables
@@ -144,6 +146,21 @@ MW_INTERNAL extern PyTypeObject mw_VllmStagingType;
 /* ---- FastLaunch (_cstaging_launch.c) -------------------------------------------------------------------- */
 
 MW_INTERNAL extern PyTypeObject mw_FastLaunchType;
+
+/* ---- StageEntry (_cstaging_stage.c) --------------------------------------------------------------------- */
+
+MW_INTERNAL extern PyTypeObject mw_StageEntryType;
+
+/* ---- Countdown (_cstaging.c) ---------------------------------------------------------------------------- */
+
+/* Its truth test is false while `left > 1` (and counts one down), then true until restart() sets left = period. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t period;
+    Py_ssize_t left;
+} mw_Countdown;
+
+MW_INTERNAL extern PyTypeObject mw_CountdownType;
 
 /* ---- HeaderRingFields (_cstaging_headers.c) ------------------------------------------------------------- */
 

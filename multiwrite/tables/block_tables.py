@@ -339,6 +339,11 @@ class BlockTables(BlockIdStaging):
             GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
                 (otherwise a capture records the gather; its inputs must then be on the device).
         """
+        entry = self._mode.entry  # (the common call in one compiled call; None from it: nothing done)
+        if entry is not None and out is None and not apply_staged:
+            views = entry.gather(idx_mapping, num_reqs_padded, num_computed_tokens)
+            if views is not None:
+                return views
         step = self._mode.stage_call("gather_block_tables", apply_staged, False, out, None, idx_mapping,
                                      num_reqs_padded, None, None, None, None, num_computed_tokens)  # fmt: skip
         return step.gathered(self._layout) if out is None else tuple(t[: step.num_reqs_padded] for t in out)
@@ -382,6 +387,11 @@ class BlockTables(BlockIdStaging):
             GraphCaptureError: `apply_staged` with writes staged, during a CUDA graph capture without graph mode
                 (otherwise a capture records the slot mappings; its inputs must then be on the device).
         """
+        entry = self._mode.entry
+        if entry is not None and out is None and not apply_staged:
+            view = entry.slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding)
+            if view is not None:
+                return view
         step = self._mode.stage_call("compute_slot_mappings", apply_staged, False, None, out, idx_mapping, None,
                                      query_start_loc, positions, num_tokens_padded, is_padding, None)  # fmt: skip
         return step.slots(self._layout) if out is None else out[:, : step.num_tokens_padded]

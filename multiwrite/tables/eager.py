@@ -5,8 +5,11 @@ apply reads its batch from staging memory by address, so its preamble refuses it
 
 from __future__ import annotations
 
+from typing import Any
+
 from multiwrite.capture import refuse_capture
 from multiwrite.errors import StagedWriteError
+from multiwrite.stage.entry import stage_entry
 from multiwrite.stage.step import StepInputs
 from multiwrite.tables.mode import TablesMode
 
@@ -15,6 +18,12 @@ class EagerMode(TablesMode):
     """The eager mode of one `BlockTables` (module docstring; the arguments are `TablesMode`'s)."""
 
     refuses_capture = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # (a stage call applying nothing, as an engine makes it on a GPU: in one compiled call, `stage_call` else)
+        self.entry = stage_entry(self, self._countdown, self.guard, self.outputs_guard, self.failure,
+                                 self.plan.stage_launch_spec())  # fmt: skip
 
     def apply(self) -> None:
         """Refused during a capture; one `plan.apply()` when anything is staged."""

@@ -23,6 +23,7 @@ import torch
 from multiwrite.capture import is_capturing, refuse_capture
 from multiwrite.errors import OWN_ERRORS, StageInputError
 from multiwrite.plugins.backend import Backend, TablesPlan, backend_error
+from multiwrite.stage.entry import StageEntry
 from multiwrite.stage.layout import PAD_SLOT_ID, TablesLayout
 from multiwrite.stage.step import StepInputs, check_count
 from multiwrite.stage.torch_stage import run_stage_torch
@@ -52,12 +53,16 @@ class TablesMode:
 
     Attributes:
         plan, layout, arena, guard, outputs_guard: as given.
+        dirty_rows: rows of `input_block_tables` the last gather (or dummy) may have left non-zero.
+        entry: the compiled entry of the stage calls that apply nothing (`multiwrite.stage.entry`; eager mode on a
+            plan with a `stage_launch_spec`), or None: every call runs `stage_call`.
     """
 
     #: What `BlockTables.cuda_graphs` says.
     cuda_graphs = False
     #: Whether a call that applies is refused during a CUDA graph capture (eager: its batch is read by address).
     refuses_capture = False
+    entry: StageEntry | None = None
 
     def __init__(
         self,
@@ -81,7 +86,7 @@ class TablesMode:
         # (decided once: the version counters the guards' fast checks read; whether inputs may be device tensors)
         self._storage, self._outputs = guard.base, outputs.base
         self._gpu = layout.device_index >= 0
-        self._dirty_rows = 0  # rows of input_block_tables the last gather (or dummy) may have left non-zero
+        self.dirty_rows = 0
         # true at the calls of the preamble that check the addresses
         self._countdown = Countdown(1 if check_addresses else ADDRESS_CHECK_PERIOD)
         self._tensors = guard.tensors + outputs.tensors  # (the address check's one pass over both)
@@ -168,7 +173,7 @@ class TablesMode:
             step = self.check_inputs(what, idx, padded, qsl, pos, tokens, pad, nct, apply_staged or consume)
         if not custom:  # (the job: `launch`, which gathers into `input_block_tables` when `step.do_gather`)
             gather = step.do_gather
-            dirty = self._dirty_rows
+            dirty = self.dirty_rows
             if gather and dirty > step.num_rows:
                 step.num_rows = dirty
             try:
@@ -177,10 +182,10 @@ class TablesMode:
                 raise self.failure(exc) from exc
             except BaseException:
                 if gather:
-                    self._dirty_rows = max(dirty, step.num_reqs)
+                    self.dirty_rows = max(dirty, step.num_reqs)
                 raise
             if gather:
-                self._dirty_rows = step.num_reqs
+                self.dirty_rows = step.num_reqs
             return step
         layout = self.layout
         if gather_outs is not None:
@@ -207,8 +212,8 @@ class TablesMode:
         n = check_count("get_dummy_block_tables: num_reqs", num_reqs, layout.max_num_reqs, "max_num_reqs")
         self.enter("BlockTables.get_dummy_block_tables", False, True)
         for t in layout.input_block_tables:
-            t[: max(n, self._dirty_rows)].zero_()
-        self._dirty_rows = n
+            t[: max(n, self.dirty_rows)].zero_()
+        self.dirty_rows = n
         return layout.gathered(n)
 
     def dummy_slot_mappings(self, num_tokens: Any) -> torch.Tensor:

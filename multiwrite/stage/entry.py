@@ -1,0 +1,80 @@
+"""The compiled entry of an eager stage call: `StageLaunchSpec`, what a plan fixes of its stage kernel's launch, and
+`stage_entry`, which builds `_cstaging.StageEntry` from it.
+
+An eager `BlockTables.gather_block_tables` or `compute_slot_mappings` that applies nothing, called as an engine calls
+it on a GPU (its inputs contiguous device tensors, no `out`), is checked and launched by that one C call: the
+preconditions of the common case (the mode's preamble: the address check not due, no table or output resized; the
+inputs as `StepInputs.on_device` accepts them; the kernel variant bound to a fast launcher; the current device the
+tables'), then the launch `TritonPlan._stage` makes for that step. Where any of them fails it does nothing and returns
+None, and the call takes its one Python path (`TablesMode.stage_call`), which checks in full and names what is wrong.
+docs/lifecycle.md#the-stage-entry says why it exists (the Python around a launch was two thirds of the call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from multiwrite.staging.fields import _cstaging
+
+
+@dataclass(frozen=True)
+class StageLaunchSpec:
+    """What a plan fixes of its stage kernel's lease-less launch (the Triton backends' `TritonPlan.launch_spec`).
+
+    Attributes:
+        launcher: the stage kernel's `Launcher` (its `fire` dict: variant key -> bound fast launcher; `launches`).
+        device_index: the tables' CUDA device index (the inputs' `get_device()`).
+        get_device, get_stream: torch's current device and raw stream of a device index (C functions).
+        layout: the tables' `TablesLayout` (`gathered`, `slots` and their view caches).
+        max_num_reqs, max_num_batched_tokens: the tables' sizes (-1: no slot mappings).
+        groups, splits: KV-cache groups and programs per row of the stage kernel.
+        sdesc_addr: the stage descriptors' device address; fallback: the address passed for an absent input.
+        cp_size, cp_interleave: context parallelism (part of the variant key).
+        window: whether any group has a sliding window (else num_computed_tokens is not read).
+        tensor_type, int32, int64, boolean: `torch.Tensor` and the dtypes the inputs may have.
+    """
+
+    launcher: Any
+    device_index: int
+    get_device: Callable[[], int]
+    get_stream: Callable[[int], int]
+    layout: Any
+    max_num_reqs: int
+    max_num_batched_tokens: int
+    groups: int
+    splits: int
+    sdesc_addr: int
+    fallback: int
+    cp_size: int
+    cp_interleave: int
+    window: bool
+    tensor_type: type = torch.Tensor
+    int32: torch.dtype = torch.int32
+    int64: torch.dtype = torch.int64
+    boolean: torch.dtype = torch.bool
+
+
+class StageEntry(Protocol):
+    """An eager stage call in one compiled call (`_cstaging.StageEntry`); None from either method: nothing was done."""
+
+    def gather(self, idx_mapping: Any, num_reqs_padded: Any,
+               num_computed_tokens: Any) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
+        """`input_block_tables[g][:num_reqs_padded]` per group, gathered (one launch), or None."""
+
+    def slots(self, idx_mapping: Any, query_start_loc: Any, positions: Any, num_tokens_padded: Any,
+              is_padding: Any) -> torch.Tensor | None:  # fmt: skip
+        """`slot_mappings[:, :num_tokens_padded]`, computed (one launch), or None."""
+
+
+def stage_entry(owner: Any, countdown: Any, guard: Any, outputs: Any, failure: Callable[[Exception], Exception],
+                spec: StageLaunchSpec | None) -> StageEntry | None:  # fmt: skip
+    """The compiled entry for a mode `owner` (its `dirty_rows` moves with each gather), its preamble's `countdown`
+    and `LayoutGuard`s (`guard`: the tables and counts, `outputs`: the gather and slot buffers) and `failure` (what a
+    failed launch raises, from the launch's error); None where the plan has no `spec` or the helper is not built."""
+    if spec is None or _cstaging is None or not isinstance(countdown, _cstaging.Countdown):
+        return None
+    return _cstaging.StageEntry(owner, countdown, guard.base, guard, outputs.base, outputs, failure, spec)

@@ -1,0 +1,454 @@
+/*
+ * multiwrite.staging._cstaging, part: the type StageEntry, an eager gather or slot-mapping call in one C call.
+ *
+ * StageEntry(owner, countdown, storage, guard, outputs, outputs_guard, failure, spec) sits in front of the one Python
+ * path of a `BlockTables` stage call that applies nothing (multiwrite/tables/mode.py, TablesMode.stage_call): its
+ * gather(idx, num_reqs_padded, num_computed_tokens) and slots(idx, query_start_loc, positions, num_tokens_padded,
+ * is_padding) return None, having done nothing, unless every precondition of the common case holds: the countdown of
+ * the address check is not due, neither guard's version counter moved, the inputs are contiguous 1-D tensors of
+ * accepted dtypes on the tables' device with counts in range (the Python path's StepInputs.on_device), the stage
+ * kernel's variant has a bound fast launcher and the current device is the tables'. Then it launches the stage kernel
+ * with the arguments TritonPlan._stage passes for that step (multiwrite/stage/entry.py's StageLaunchSpec holds the
+ * fixed ones), moves the owner's dirty_rows as stage_call does, and returns what the call returns: the views of
+ * input_block_tables or of slot_mappings. A launch that raises an Exception is raised as failure(exc) (from exc), the
+ * dirty rows unchanged; any other exception (an interrupt) moves them to the larger of both counts.
+ */
+#include "_cstaging.h"
+
+typedef struct {
+    PyObject_HEAD
+    /* the preamble's: the mode (its dirty_rows), its countdown, the guarded tensors and their guards */
+    PyObject *owner, *countdown, *storage, *guard, *outputs, *outputs_guard, *failure;
+    /* the launch's (StageLaunchSpec) */
+    PyObject *launcher, *fire, *get_device, *get_stream, *index_obj, *layout, *gathered_views, *slot_views;
+    PyObject *tensor_type, *int32, *int64, *boolean, *cp_size, *cp_interleave;
+    long long index, max_num_reqs, max_num_batched_tokens, groups, splits, sdesc_addr, fallback;
+    int window;
+} StageEntry;
+
+static PyObject *s_version, *s_guard_version, *s_dirty_rows, *s_launches, *s_get_device, *s_stride, *s_data_ptr, *s_dtype, *s_shape,
+    *s_gathered, *s_slots;
+
+static int intern_names(void) {
+    if (s_version != NULL)
+        return 0;
+    return (s_version = PyUnicode_InternFromString("_version")) == NULL ||
+                   (s_guard_version = PyUnicode_InternFromString("version")) == NULL ||
+                   (s_dirty_rows = PyUnicode_InternFromString("dirty_rows")) == NULL ||
+                   (s_launches = PyUnicode_InternFromString("launches")) == NULL ||
+                   (s_get_device = PyUnicode_InternFromString("get_device")) == NULL ||
+                   (s_stride = PyUnicode_InternFromString("stride")) == NULL ||
+                   (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL ||
+                   (s_dtype = PyUnicode_InternFromString("dtype")) == NULL ||
+                   (s_shape = PyUnicode_InternFromString("shape")) == NULL ||
+                   (s_gathered = PyUnicode_InternFromString("gathered")) == NULL ||
+                   (s_slots = PyUnicode_InternFromString("slots")) == NULL
+               ? -1
+               : 0;
+}
+
+/* An int attribute or method result as a long long: 1 (into *out), 0 (not an int: not taken), -1 (error). */
+static int as_ll(PyObject *value, long long *out) {
+    if (value == NULL)
+        return -1;
+    int ok = PyLong_CheckExact(value);
+    if (ok) {
+        *out = PyLong_AsLongLong(value);
+        if (*out == -1 && PyErr_Occurred())
+            ok = -1;
+    }
+    Py_DECREF(value);
+    return ok;
+}
+
+static int call_ll(PyObject *obj, PyObject *name, long long *out) {
+    return as_ll(PyObject_VectorcallMethod(name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL), out);
+}
+
+/* What the stage kernel reads of one input tensor. */
+typedef struct {
+    PyObject *dtype; /* borrowed: one of the spec's dtype objects */
+    long long len, ptr;
+} Vector;
+
+/* `t` a torch.Tensor (exactly) on the tables' device, 1-D contiguous (stride (1,)), of dtype int32/int64 (`flag`:
+ * torch.bool): 1 (into *v), 0 (anything else: not taken), -1 (error). */
+static int device_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
+    if ((PyObject *)Py_TYPE(t) != self->tensor_type)
+        return 0;
+    long long device;
+    int ok = call_ll(t, s_get_device, &device);
+    if (ok <= 0 || device != self->index)
+        return ok;
+    PyObject *dtype = PyObject_GetAttr(t, s_dtype);
+    if (dtype == NULL)
+        return -1;
+    Py_DECREF(dtype); /* (dtype objects live as long as torch: compared by identity) */
+    if (flag ? dtype != self->boolean : dtype != self->int32 && dtype != self->int64)
+        return 0;
+    v->dtype = dtype;
+    PyObject *stride = PyObject_VectorcallMethod(s_stride, &t, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (stride == NULL)
+        return -1;
+    ok = PyTuple_Check(stride) && PyTuple_GET_SIZE(stride) == 1 && PyLong_CheckExact(PyTuple_GET_ITEM(stride, 0)) &&
+         PyLong_AsLongLong(PyTuple_GET_ITEM(stride, 0)) == 1;
+    Py_DECREF(stride);
+    if (!ok)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *shape = PyObject_GetAttr(t, s_shape);
+    if (shape == NULL)
+        return -1;
+    ok = PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 1;
+    if (ok) {
+        Py_INCREF(PyTuple_GET_ITEM(shape, 0));
+        ok = as_ll(PyTuple_GET_ITEM(shape, 0), &v->len);
+    }
+    Py_DECREF(shape);
+    if (ok <= 0)
+        return ok;
+    ok = call_ll(t, s_data_ptr, &v->ptr);
+    if (ok > 0 && v->ptr == 0)
+        v->ptr = self->fallback; /* (an empty tensor's address, 0, would read as an int32 under the interpreter) */
+    return ok;
+}
+
+/* The preamble's preconditions (TablesMode.enter's common case): 1 (hold), 0 (not taken), -1 (error). */
+static int preamble_holds(StageEntry *self) {
+    if (((mw_Countdown *)self->countdown)->left <= 1) /* (due: the Python path checks the addresses) */
+        return 0;
+    PyObject *pairs[2][2] = {{self->storage, self->guard}, {self->outputs, self->outputs_guard}};
+    for (int i = 0; i < 2; i++) {
+        long long now, then;
+        int ok = as_ll(PyObject_GetAttr(pairs[i][0], s_version), &now);
+        if (ok > 0)
+            ok = as_ll(PyObject_GetAttr(pairs[i][1], s_guard_version), &then);
+        if (ok <= 0 || now != then)
+            return ok < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+/* The raised Exception as failure(exc), raised from it (`raise failure(exc) from exc`); anything else as it is. */
+static void raise_failure(StageEntry *self) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    if (!PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    PyObject *raised = PyObject_CallOneArg(self->failure, value);
+    if (raised == NULL || raised == value || !PyExceptionInstance_Check(raised)) {
+        if (raised != NULL && raised != value)
+            PyErr_SetString(PyExc_TypeError, "StageEntry: failure(exc) must return an exception");
+        if (raised == value) {
+            Py_DECREF(raised);
+            PyErr_Restore(type, value, tb);
+            return;
+        }
+        Py_XDECREF(raised);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return;
+    }
+    PyException_SetContext(raised, Py_NewRef(value));
+    PyException_SetCause(raised, value); /* (steals value; sets __suppress_context__) */
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(raised)), raised, NULL);
+}
+
+/* owner.dirty_rows = rows, keeping a raised exception as it is. */
+static void set_dirty(StageEntry *self, long long rows) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *n = PyLong_FromLongLong(rows);
+    if (n == NULL || PyObject_SetAttr(self->owner, s_dirty_rows, n) < 0)
+        PyErr_WriteUnraisable(self->owner);
+    Py_XDECREF(n);
+    PyErr_Restore(type, value, tb);
+}
+
+/* The launch of one step once its inputs hold: the variant named by `key` (TritonPlan._stage's key) must have a bound
+ * fire and the current device be the tables'; then fire(grid0, 1, stream, args) with TritonPlan._stage's lease-less
+ * arguments (`ptrs`: idx, qsl, pos, pad, nct; `n` requests, `padded` rows, `tokens` positions). 1 (launched), 0 (not
+ * taken), -1 (error set: failure's). A gather (`gather`) reads and moves the owner's dirty_rows. */
+static int launch(StageEntry *self, PyObject *key, int gather, const long long ptrs[5], long long n, long long padded,
+                  long long tokens) {
+    PyObject *fire = PyDict_GetItemWithError(self->fire, key); /* (borrowed) */
+    if (fire == NULL || fire == Py_None)
+        return PyErr_Occurred() ? -1 : 0;
+    long long current, dirty = 0;
+    PyObject *noargs = NULL;
+    int ok = as_ll(PyObject_Vectorcall(self->get_device, &noargs, 0, NULL), &current);
+    if (ok <= 0 || current != self->index) /* (another device current: the Python path switches to the tables') */
+        return ok < 0 ? -1 : 0;
+    if (gather) {
+        if ((ok = as_ll(PyObject_GetAttr(self->owner, s_dirty_rows), &dirty)) <= 0)
+            return ok;
+        if (dirty > padded)
+            padded = dirty;
+    }
+    const long long f = self->fallback;
+    const long long items[22] = {self->sdesc_addr, f, f, f, f, 0, 0, 0, 0, 1, 1, 0, self->groups, ptrs[0], ptrs[1],
+                                 ptrs[2], ptrs[3], ptrs[4], n, padded, tokens, self->splits};
+    PyObject *args = PyTuple_New(22), *grid0 = NULL, *one = NULL, *stream = NULL, *result = NULL;
+    if (args == NULL)
+        return -1;
+    for (int i = 0; i < 22; i++) {
+        PyObject *item = PyLong_FromLongLong(items[i]);
+        if (item == NULL)
+            goto fail;
+        PyTuple_SET_ITEM(args, i, item);
+    }
+    if ((grid0 = PyLong_FromLongLong(self->groups * (padded + 1) * self->splits)) == NULL ||
+        (one = PyLong_FromLong(1)) == NULL ||
+        (stream = PyObject_CallOneArg(self->get_stream, self->index_obj)) == NULL)
+        goto fail;
+    ((mw_Countdown *)self->countdown)->left--; /* (the preamble's truth test: false, as preamble_holds found) */
+    PyObject *call[4] = {grid0, one, stream, args};
+    result = PyObject_Vectorcall(fire, call, 4, NULL);
+    if (result == NULL) {
+        if (gather && !PyErr_ExceptionMatches(PyExc_Exception))
+            set_dirty(self, dirty > n ? dirty : n); /* (an interrupt: the launch may have been issued) */
+        raise_failure(self);
+        goto fail;
+    }
+    Py_DECREF(result);
+    if (gather)
+        set_dirty(self, n);
+    long long launches; /* (a statistic, as Launcher.launch counts it) */
+    PyObject *count = PyObject_GetAttr(self->launcher, s_launches);
+    if (count == NULL || as_ll(Py_NewRef(count), &launches) <= 0) {
+        Py_XDECREF(count);
+        PyErr_Clear();
+    } else {
+        PyObject *next = PyLong_FromLongLong(launches + 1);
+        if (next == NULL || PyObject_SetAttr(self->launcher, s_launches, next) < 0)
+            PyErr_Clear();
+        Py_XDECREF(next);
+        Py_DECREF(count);
+    }
+    Py_DECREF(args);
+    Py_DECREF(grid0);
+    Py_DECREF(one);
+    Py_DECREF(stream);
+    return 1;
+fail:
+    Py_XDECREF(args);
+    Py_XDECREF(grid0);
+    Py_XDECREF(one);
+    Py_XDECREF(stream);
+    return -1;
+}
+
+/* views[n] of a cache dict, else view(n) (TablesLayout.gathered / slots): a new reference or NULL. */
+static PyObject *cached_view(PyObject *views, PyObject *layout, PyObject *name, PyObject *n) {
+    PyObject *view = PyDict_GetItemWithError(views, n);
+    if (view != NULL)
+        return Py_NewRef(view);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *call[2] = {layout, n};
+    return PyObject_VectorcallMethod(name, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* gather(idx_mapping, num_reqs_padded, num_computed_tokens): input_block_tables[g][:num_reqs_padded] per group
+ * (launched), or None (nothing done). */
+static PyObject *entry_gather(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3)
+        return mw_usage_error("gather(idx_mapping, num_reqs_padded, num_computed_tokens): three arguments");
+    PyObject *idx = args[0], *padded_obj = args[1], *nct = args[2];
+    Vector vi, vn = {NULL, 0, self->fallback};
+    long long padded;
+    int ok = preamble_holds(self);
+    if (ok > 0)
+        ok = device_vector(self, idx, 0, &vi);
+    if (ok > 0 && !(vi.len <= self->max_num_reqs && PyLong_CheckExact(padded_obj)))
+        ok = 0;
+    if (ok > 0) {
+        padded = PyLong_AsLongLong(padded_obj);
+        if (padded == -1 && PyErr_Occurred())
+            PyErr_Clear(), ok = 0;
+        else if (!(vi.len <= padded && padded <= self->max_num_reqs))
+            ok = 0;
+    }
+    if (ok > 0 && nct != Py_None && (ok = device_vector(self, nct, 0, &vn)) > 0 && vn.len < self->max_num_reqs)
+        ok = 0;
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    const int window = nct != Py_None && self->window;
+    PyObject *key = PyTuple_Pack(12, vi.dtype, self->int64, self->int64, Py_False, Py_True, Py_False, Py_False,
+                                 Py_False, self->cp_size, self->cp_interleave, window ? vn.dtype : self->int32,
+                                 window ? Py_True : Py_False);
+    if (key == NULL)
+        return NULL;
+    const long long f = self->fallback, ptrs[5] = {vi.ptr, f, f, f, window ? vn.ptr : f};
+    ok = launch(self, key, 1, ptrs, vi.len, padded, 0);
+    Py_DECREF(key);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    return cached_view(self->gathered_views, self->layout, s_gathered, padded_obj);
+}
+
+/* slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding): slot_mappings[:, :num_tokens_padded]
+ * (launched), or None (nothing done). */
+static PyObject *entry_slots(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5)
+        return mw_usage_error("slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding): five "
+                              "arguments");
+    PyObject *idx = args[0], *qsl = args[1], *pos = args[2], *tokens_obj = args[3], *pad = args[4];
+    Vector vi, vq, vp, vd = {NULL, 0, self->fallback};
+    long long tokens;
+    int ok = preamble_holds(self);
+    if (ok > 0)
+        ok = device_vector(self, idx, 0, &vi);
+    if (ok > 0 && !(vi.len <= self->max_num_reqs && self->max_num_batched_tokens >= 0 && PyLong_CheckExact(tokens_obj)))
+        ok = 0;
+    if (ok > 0 && (ok = device_vector(self, qsl, 0, &vq)) > 0 && (ok = device_vector(self, pos, 0, &vp)) > 0) {
+        tokens = PyLong_AsLongLong(tokens_obj);
+        if (tokens == -1 && PyErr_Occurred())
+            PyErr_Clear(), ok = 0;
+        else if (!(vq.len > vi.len && 0 <= tokens && tokens <= self->max_num_batched_tokens))
+            ok = 0;
+    }
+    if (ok > 0 && pad != Py_None && (ok = device_vector(self, pad, 1, &vd)) > 0 && vd.len < tokens)
+        ok = 0;
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *key = PyTuple_Pack(12, vi.dtype, vq.dtype, vp.dtype, pad != Py_None ? Py_True : Py_False, Py_False,
+                                 Py_True, Py_False, Py_False, self->cp_size, self->cp_interleave, self->int32, Py_False);
+    if (key == NULL)
+        return NULL;
+    const long long ptrs[5] = {vi.ptr, vq.ptr, vp.ptr, vd.ptr, self->fallback};
+    ok = launch(self, key, 0, ptrs, vi.len, vi.len, vp.len);
+    Py_DECREF(key);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    return cached_view(self->slot_views, self->layout, s_slots, tokens_obj);
+}
+
+/* An attribute of the spec: a new reference (spec_obj), or an int (spec_ll); NULL / -1 with an error set. */
+static PyObject *spec_obj(PyObject *spec, const char *name) { return PyObject_GetAttrString(spec, name); }
+
+static int spec_ll(PyObject *spec, const char *name, long long *out) {
+    int ok = as_ll(spec_obj(spec, name), out);
+    if (ok == 0)
+        PyErr_Format(PyExc_TypeError, "StageEntry: spec.%s must be an int", name);
+    return ok > 0 ? 0 : -1;
+}
+
+static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"owner", "countdown", "storage", "guard", "outputs", "outputs_guard", "failure",
+                               "spec", NULL};
+    PyObject *owner, *countdown, *storage, *guard, *outputs, *outputs_guard, *failure, *spec;
+    if (intern_names() < 0 ||
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOO:StageEntry", keywords, &owner, &mw_CountdownType,
+                                     &countdown, &storage, &guard, &outputs, &outputs_guard, &failure, &spec))
+        return -1;
+    if (!PyCallable_Check(failure)) {
+        PyErr_SetString(PyExc_TypeError, "StageEntry: failure must be callable");
+        return -1;
+    }
+    Py_XSETREF(self->owner, Py_NewRef(owner));
+    Py_XSETREF(self->countdown, Py_NewRef(countdown));
+    Py_XSETREF(self->storage, Py_NewRef(storage));
+    Py_XSETREF(self->guard, Py_NewRef(guard));
+    Py_XSETREF(self->outputs, Py_NewRef(outputs));
+    Py_XSETREF(self->outputs_guard, Py_NewRef(outputs_guard));
+    Py_XSETREF(self->failure, Py_NewRef(failure));
+    struct {
+        const char *name;
+        PyObject **field;
+    } objs[] = {{"launcher", &self->launcher},       {"get_device", &self->get_device},
+                {"get_stream", &self->get_stream},   {"layout", &self->layout},
+                {"tensor_type", &self->tensor_type}, {"int32", &self->int32},
+                {"int64", &self->int64},             {"boolean", &self->boolean},
+                {"cp_size", &self->cp_size},         {"cp_interleave", &self->cp_interleave}};
+    for (size_t i = 0; i < sizeof(objs) / sizeof(objs[0]); i++) {
+        PyObject *value = spec_obj(spec, objs[i].name);
+        if (value == NULL)
+            return -1;
+        Py_XSETREF(*objs[i].field, value);
+    }
+    PyObject *fire = PyObject_GetAttrString(self->launcher, "fire");
+    PyObject *gathered = PyObject_GetAttrString(self->layout, "gathered_views");
+    PyObject *slots = PyObject_GetAttrString(self->layout, "slot_views");
+    Py_XSETREF(self->fire, fire);
+    Py_XSETREF(self->gathered_views, gathered);
+    Py_XSETREF(self->slot_views, slots);
+    if (fire == NULL || gathered == NULL || slots == NULL)
+        return -1;
+    if (!PyDict_Check(fire) || !PyDict_Check(gathered) || !PyDict_Check(slots)) {
+        PyErr_SetString(PyExc_TypeError, "StageEntry: launcher.fire, layout.gathered_views and layout.slot_views must "
+                                         "be dicts");
+        return -1;
+    }
+    if (spec_ll(spec, "device_index", &self->index) < 0 || spec_ll(spec, "max_num_reqs", &self->max_num_reqs) < 0 ||
+        spec_ll(spec, "max_num_batched_tokens", &self->max_num_batched_tokens) < 0 ||
+        spec_ll(spec, "groups", &self->groups) < 0 || spec_ll(spec, "splits", &self->splits) < 0 ||
+        spec_ll(spec, "sdesc_addr", &self->sdesc_addr) < 0 || spec_ll(spec, "fallback", &self->fallback) < 0)
+        return -1;
+    PyObject *window = spec_obj(spec, "window");
+    if (window == NULL || (self->window = PyObject_IsTrue(window)) < 0) {
+        Py_XDECREF(window);
+        return -1;
+    }
+    Py_DECREF(window);
+    Py_XSETREF(self->index_obj, PyLong_FromLongLong(self->index));
+    return self->index_obj == NULL ? -1 : 0;
+}
+
+static const Py_ssize_t entry_refs[] = {
+    offsetof(StageEntry, owner),      offsetof(StageEntry, countdown),      offsetof(StageEntry, storage),
+    offsetof(StageEntry, guard),      offsetof(StageEntry, outputs),        offsetof(StageEntry, outputs_guard),
+    offsetof(StageEntry, failure),    offsetof(StageEntry, launcher),       offsetof(StageEntry, fire),
+    offsetof(StageEntry, get_device), offsetof(StageEntry, get_stream),     offsetof(StageEntry, index_obj),
+    offsetof(StageEntry, layout),     offsetof(StageEntry, gathered_views), offsetof(StageEntry, slot_views),
+    offsetof(StageEntry, tensor_type), offsetof(StageEntry, int32),         offsetof(StageEntry, int64),
+    offsetof(StageEntry, boolean),    offsetof(StageEntry, cp_size),        offsetof(StageEntry, cp_interleave),
+    -1};
+
+MW_GC_FUNCS(entry, StageEntry)
+
+static PyObject *entry_refuse_uninitialized(StageEntry *self) {
+    PyErr_SetString(PyExc_TypeError, "StageEntry: not initialized");
+    return NULL;
+}
+
+static PyObject *entry_gather_call(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
+    return self->fire == NULL ? entry_refuse_uninitialized(self) : entry_gather(self, args, nargs);
+}
+
+static PyObject *entry_slots_call(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
+    return self->fire == NULL ? entry_refuse_uninitialized(self) : entry_slots(self, args, nargs);
+}
+
+static PyMemberDef entry_members[] = {
+    {"owner", T_OBJECT, offsetof(StageEntry, owner), READONLY, "the mode whose dirty_rows the gathers move"},
+    {"launcher", T_OBJECT, offsetof(StageEntry, launcher), READONLY, "the stage kernel's Launcher"},
+    {NULL},
+};
+
+static PyMethodDef entry_methods[] = {
+    {"gather", (PyCFunction)(void (*)(void))entry_gather_call, METH_FASTCALL,
+     "gather(idx_mapping, num_reqs_padded, num_computed_tokens): the gathered views (launched), or None (nothing "
+     "done: the Python path runs)."},
+    {"slots", (PyCFunction)(void (*)(void))entry_slots_call, METH_FASTCALL,
+     "slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding): the slot-mapping view "
+     "(launched), or None (nothing done: the Python path runs)."},
+    {NULL},
+};
+
+PyTypeObject mw_StageEntryType = {
+    MW_TYPE_HEAD("StageEntry", StageEntry, entry, Py_TPFLAGS_HAVE_GC,
+                 "StageEntry(owner, countdown, storage, guard, outputs, outputs_guard, failure, spec): an eager\n"
+                 "gather or slot-mapping call checked and launched in one C call, or None where the Python path\n"
+                 "must run (multiwrite/stage/entry.py)."),
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)entry_init,
+    MW_GC_SLOTS(entry),
+};

@@ -1,0 +1,322 @@
+"""The compiled entry of eager stage calls (`multiwrite.stage.entry`, `_cstaging.StageEntry`), white-box, off a GPU:
+the Triton plan's launch spec is handed a stand-in launcher whose bound "fast launchers" record each launch and run
+it through the real launcher (Triton's interpreter on CPU tensors), so that what the entry launches is computed.
+Checked: it launches exactly what the one Python path (`TablesMode.stage_call` -> `TritonPlan._stage`) launches for
+the same step (variant key, grid, every argument), the tables it leaves equal a twin's that never takes it, and every
+precondition it tests sends the call to the Python path with nothing done."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from multiwrite import BackendError, BlockTables, StageInputError
+from multiwrite.backends.triton.backend import TritonCudaBackend
+from multiwrite.backends.triton.launcher import Launcher
+from multiwrite.backends.triton.plan import TritonPlan
+from multiwrite.reference import gather_block_tables_reference
+from multiwrite.staging.fields import _cstaging
+
+pytestmark = pytest.mark.skipif(_cstaging is None, reason="the compiled staging helper is not built")
+
+CPU = torch.device("cpu")
+I32, I64 = torch.int32, torch.int64
+
+
+class StandInLauncher:
+    """What the entry reads of a `Launcher` (`fire`, `launches`), its fast launchers recording `(key, grid0, grid1,
+    args)` and running each launch through `plan`'s real launcher (interpreted)."""
+
+    def __init__(self, plan: TritonPlan, fails: BaseException | None = None):
+        self.launches = 0
+        self.calls: list[tuple] = []
+        self.fails = fails
+        real = plan.device.stage_launcher
+        self.fire = {}
+        for key in _all_keys(plan):
+            self.fire[key] = self._fire(real, key, plan.constexprs(key))
+
+    def _fire(self, real: Launcher, key: tuple, consts: dict):
+        def fire(grid0, grid1, stream, args):
+            assert stream == 0
+            if self.fails is not None:
+                raise self.fails
+            self.calls.append((key, grid0, grid1, args))
+            real.launch(key, consts, grid0, grid1, args)
+
+        return fire
+
+
+def _all_keys(plan: TritonPlan) -> list[tuple]:
+    cp = (plan.layout.cp_size, plan.layout.cp_interleave)
+    out = []
+    for idx, qsl, pos, pad, gather, slots, nct, window in itertools.product(
+        (I32, I64), (I32, I64), (I32, I64), (False, True), (False, True), (False, True), (I32, I64), (False, True)
+    ):
+        out.append((idx, qsl, pos, pad, gather, slots, False, False, *cp, nct, window))
+    return out
+
+
+def entry_tables(monkeypatch, *args, fails: BaseException | None = None, **kwargs):
+    """`BlockTables(*args, **kwargs)` on triton-cuda (interpreted) whose eager mode builds the compiled entry over a
+    `StandInLauncher` (device -1: the CPU tensors' `get_device()`); returns (tables, stand-in).
+
+    A kernel on a GPU leaves torch's version counters alone; the interpreter writes its outputs through torch ops,
+    which move them, so that the preamble would find every table "written since" and send each next call to the
+    Python path: after each launch of these tables the guards are given the counters as a GPU launch leaves them."""
+    made = []
+
+    def spec(plan):
+        stand_in = StandInLauncher(plan, fails)
+        made.append(stand_in)
+        return dataclasses.replace(plan.launch_spec(), launcher=stand_in, device_index=-1, get_device=lambda: -1)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(TritonPlan, "stage_launch_spec", spec)
+        bt = BlockTables(*args, backend=TritonCudaBackend(), **kwargs)
+    assert bt._mode.entry is not None
+    guards = (bt._mode.guard, bt._mode.outputs_guard)
+    launch = Launcher.launch
+
+    def launch_as_on_a_gpu(self, *a, **kw):
+        out = launch(self, *a, **kw)
+        for guard in guards:
+            guard.version = guard.base._version
+        return out
+
+    monkeypatch.setattr(Launcher, "launch", launch_as_on_a_gpu)
+    return bt, made[0]
+
+
+GROUPS = dict(block_sizes=[16, 32, 16], max_num_reqs=6, max_num_blocks_per_group=[8, 4, 8], device=CPU,
+              kernel_block_sizes=[16, 16, 8], max_num_batched_tokens=32, sliding_window_reach=[0, 0, 40])  # fmt: skip
+
+
+def _stage_rows(bt: BlockTables, rng: np.random.Generator) -> None:
+    for r in range(bt.max_num_reqs):
+        # (full rows: every position of a step maps to a block)
+        ids = [list(rng.integers(1, 1000, size=w)) for w in GROUPS["max_num_blocks_per_group"]]
+        bt.append_block_ids(r, ids, True)
+    bt.apply_staged_writes()
+
+
+def _steps(rng: np.random.Generator, n: int):
+    """Random engine-shaped steps: (idx, padded, nct, qsl, pos, tokens, pad), dtypes drawn per tensor."""
+    for _ in range(n):
+        reqs = int(rng.integers(0, 6))
+        dt = [I32 if rng.random() < 0.5 else I64 for _ in range(4)]
+        rows = rng.choice(6, size=reqs, replace=False)
+        if reqs and rng.random() < 0.3:
+            rows[0] = -1
+        idx = torch.tensor(rows.tolist(), dtype=dt[0])  # (from a list: an empty one has stride (1,), as the entry asks)
+        padded = int(rng.integers(reqs, 7))
+        nct = torch.tensor(rng.integers(0, 100, size=6).tolist(), dtype=dt[1]) if rng.random() < 0.5 else None
+        lens = rng.integers(0, 4, size=reqs)
+        qsl = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=dt[2])
+        pos = torch.tensor(rng.integers(0, 64, size=int(lens.sum())).tolist(), dtype=dt[3])
+        tokens = int(lens.sum()) + int(rng.integers(0, 3))
+        pad = torch.tensor((rng.random(tokens) < 0.2).tolist(), dtype=torch.bool) if rng.random() < 0.3 else None
+        yield idx, padded, nct, qsl, pos, tokens, pad
+
+
+def _run(call: str, step: tuple, tables: BlockTables) -> tuple[torch.Tensor, ...]:
+    idx, padded, nct, qsl, pos, tokens, pad = step
+    if call == "gather":
+        return tables.gather_block_tables(idx, padded, num_computed_tokens=nct)
+    return (tables.compute_slot_mappings(idx, qsl, pos, tokens, pad),)
+
+
+def test_the_entry_launches_what_the_python_path_launches_for_every_step(monkeypatch):
+    """Each step twice on the same tables and state: through the entry (its stand-in records the launch), then with no
+    fast launcher bound, so that the Python path launches (recorded at `Launcher.launch`): the same variant key, grid
+    and arguments; gathered rows and slot mappings as a twin that never takes the entry computes them."""
+    bt, stand_in = entry_tables(monkeypatch, **GROUPS)
+    twin = BlockTables(backend=TritonCudaBackend(), **GROUPS)
+    assert twin._mode.entry is None  # (no GPU: the Triton plan has no launch spec)
+    rng = np.random.default_rng(7)
+    _stage_rows(bt, np.random.default_rng(1))
+    _stage_rows(twin, np.random.default_rng(1))
+    python_path: list[tuple] = []
+    original = Launcher.launch
+
+    def recording(self, variant, consts, grid0, grid1, args, *rest, **kw):
+        python_path.append((variant, grid0, grid1, args))
+        return original(self, variant, consts, grid0, grid1, args, *rest, **kw)
+
+    monkeypatch.setattr(Launcher, "launch", recording)
+    bound = dict(stand_in.fire)
+    for idx, padded, nct, qsl, pos, tokens, pad in _steps(rng, 40):
+        for call in ("gather", "slots"):
+            step = (idx, padded, nct, qsl, pos, tokens, pad)
+            run = functools.partial(_run, call, step)
+            bt._mode._countdown.restart()  # (a call at which the address check is due is the Python path's: below)
+            dirty = bt._mode.dirty_rows
+            calls, python = len(stand_in.calls), len(python_path)
+            got = run(bt)  # (through the entry)
+            want = run(twin)
+            assert (len(stand_in.calls), len(python_path)) == (calls + 1, python + 2)  # (its launch, the twin's)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), call
+            bt._mode.dirty_rows = dirty
+            stand_in.fire.clear()
+            again = run(bt)  # (through the Python path)
+            stand_in.fire.update(bound)
+            assert len(stand_in.calls) == calls + 1 and len(python_path) == python + 3
+            assert python_path[-1] == stand_in.calls[-1], call
+            assert [(a.data_ptr(), a.shape) for a in again] == [(a.data_ptr(), a.shape) for a in got]
+    assert stand_in.launches == len(stand_in.calls) == 80
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    bt, stand_in = entry_tables(monkeypatch, **GROUPS)
+    _stage_rows(bt, np.random.default_rng(3))
+    return bt, stand_in
+
+
+def test_a_gather_of_fewer_rows_zeroes_what_the_last_gather_left(tables):
+    bt, stand_in = tables
+    tabs = [t.tensor.numpy().copy() for t in bt.block_tables]
+    counts = bt.num_blocks.copy()
+    bt.gather_block_tables(torch.tensor([5, 4, 3, 2], dtype=I32), 6)
+    got = bt.gather_block_tables(torch.tensor([1], dtype=I64), 1)
+    # (the rows launched: the 4 requests the last gather filled; it zeroed its padding rows 4 and 5 itself)
+    assert len(stand_in.calls) == 2 and stand_in.calls[-1][3][19] == 4
+    outs = [t.numpy().copy() for t in bt.input_block_tables]
+    want = [np.full_like(o, 7) for o in outs]
+    want = gather_block_tables_reference(tabs, counts, [1], 1, want, num_rows=4)
+    for g, (o, w) in enumerate(zip(outs, want)):
+        assert np.array_equal(o[1:6], np.zeros_like(o[1:6])), g
+        assert np.array_equal(o[0, : counts[g, 1]], w[0, : counts[g, 1]]), g
+        assert got[g].data_ptr() == bt.input_block_tables[g].data_ptr() and got[g].shape[0] == 1
+
+
+#: Each precondition the entry tests: the calls it concerns, and whether the Python path then refuses the call.
+PRECONDITIONS = {
+    "float-idx": ("both", True), "non-contiguous-idx": ("both", False), "int16-idx": ("both", True),
+    "too-many-reqs": ("both", True), "numpy-count": ("gather", False), "bool-count": ("both", True),
+    "padded-below-reqs": ("gather", True), "short-nct": ("gather", True), "short-qsl": ("slots", True),
+    "tokens-over": ("slots", True), "pad-dtype": ("slots", True), "pad-short": ("slots", True),
+    "unbound": ("both", False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("why", PRECONDITIONS)
+def test_every_precondition_sends_the_call_to_the_python_path_with_nothing_done(tables, why):
+    """A call the entry does not take exactly launches nothing of its own; the Python path then runs it (and raises
+    what it raises for bad inputs)."""
+    bt, stand_in = tables
+    calls, raises = PRECONDITIONS[why]
+    idx, qsl, pos = torch.tensor([2, 0], dtype=I32), torch.tensor([0, 2, 3], dtype=I32), torch.tensor([5, 6, 1])
+    padded, tokens, nct, pad = 2, 4, None, None
+    if why == "float-idx":
+        idx = idx.to(torch.float32)
+    elif why == "non-contiguous-idx":
+        idx = torch.tensor([2, 9, 0, 9], dtype=I32)[::2]
+    elif why == "int16-idx":
+        idx = idx.to(torch.int16)
+    elif why == "too-many-reqs":
+        idx = torch.arange(7, dtype=I32)
+    elif why == "numpy-count":
+        padded = np.int64(3)
+    elif why == "bool-count":
+        padded, tokens = True, True
+    elif why == "padded-below-reqs":
+        padded = 1
+    elif why == "short-nct":
+        nct = torch.zeros(5, dtype=I64)
+    elif why == "short-qsl":
+        qsl = torch.tensor([0, 2], dtype=I32)
+    elif why == "tokens-over":
+        tokens = 33
+    elif why == "pad-dtype":
+        pad = torch.zeros(4, dtype=I32)
+    elif why == "pad-short":
+        pad = torch.zeros(3, dtype=torch.bool)
+    elif why == "unbound":
+        stand_in.fire.clear()
+    stage = bt._mode.plan.device.stage_launcher
+    for call in ("gather", "slots") if calls == "both" else (calls,):
+        launches = stage.launches
+        with pytest.raises(StageInputError) if raises else contextlib.nullcontext():
+            if call == "gather":
+                bt.gather_block_tables(idx, padded, num_computed_tokens=nct)
+            else:
+                bt.compute_slot_mappings(idx, qsl, pos, tokens, pad)
+        assert stand_in.calls == [] and stand_in.launches == 0
+        assert stage.launches == launches + (not raises)  # (the Python path launched through the real launcher)
+
+
+def test_another_current_device_sends_the_call_to_the_python_path(tables):
+    """With another device current the entry does nothing (the Python path switches to the tables' device)."""
+    bt, stand_in = tables
+    mode, current = bt._mode, [0]
+    spec = dataclasses.replace(mode.plan.launch_spec(), launcher=stand_in, device_index=-1,
+                               get_device=lambda: current[0])  # fmt: skip
+    entry = _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
+                                 mode.outputs_guard, mode.failure, spec)  # fmt: skip
+    idx, qsl, pos = torch.tensor([2, 0], dtype=I32), torch.tensor([0, 2, 3], dtype=I32), torch.tensor([5, 6, 1])
+    assert entry.gather(idx, 2, None) is None and entry.slots(idx, qsl, pos, 4, None) is None
+    assert stand_in.calls == []
+    current[0] = -1
+    assert entry.gather(idx, 2, None) is not None and entry.slots(idx, qsl, pos, 4, None) is not None
+    assert len(stand_in.calls) == 2
+
+
+def test_a_due_address_check_or_a_resized_table_goes_through_the_preamble(monkeypatch):
+    """`check_addresses=True` (the check at every call): the entry never takes a call; a table resized in place: the
+    Python path's guard raises, naming it, and the entry launched nothing."""
+    bt, stand_in = entry_tables(monkeypatch, check_addresses=True, **GROUPS)
+    idx = torch.tensor([0], dtype=I32)
+    bt.gather_block_tables(idx, 1)
+    assert stand_in.calls == []
+    bt, stand_in = entry_tables(monkeypatch, **GROUPS)
+    for _ in range(3):
+        bt.gather_block_tables(idx, 1)
+    assert len(stand_in.calls) == 3
+    bt.input_block_tables[0].resize_(2, 2)
+    with pytest.raises(Exception, match="input_block_tables|resized|set_"):
+        bt.gather_block_tables(idx, 1)
+    assert len(stand_in.calls) == 3
+
+
+def test_the_entry_counts_its_calls_on_the_preambles_countdown(tables):
+    """Every call the entry takes counts one call of the address check's countdown; the call at which the check is
+    due goes to the Python path, which checks the addresses and restarts the countdown."""
+    bt, stand_in = tables
+    countdown, stage = bt._mode._countdown, bt._mode.plan.device.stage_launcher
+    idx = torch.tensor([0], dtype=I32)
+    left = countdown.left
+    for i in range(left - 1):
+        bt.gather_block_tables(idx, 1)
+        assert countdown.left == left - 1 - i
+    assert countdown.left == 1 and len(stand_in.calls) == left - 1
+    python = stage.launches
+    bt.gather_block_tables(idx, 1)  # (due: the Python path)
+    assert len(stand_in.calls) == left - 1 and stage.launches == python + 1
+    assert countdown.left == countdown.period
+    bt.gather_block_tables(idx, 1)
+    assert len(stand_in.calls) == left
+
+
+@pytest.mark.parametrize("fails", [RuntimeError("launch failed"), KeyboardInterrupt()])
+def test_a_failed_launch_through_the_entry_is_raised_as_the_python_path_raises_it(monkeypatch, fails):
+    """An `Exception` from the launch: the `BackendError` naming the backend and tables, from the launch's error, and
+    the dirty rows unchanged (nothing launched); an interrupt: as it is, the dirty rows at the larger count."""
+    bt, stand_in = entry_tables(monkeypatch, fails=fails, **GROUPS)
+    bt._mode.dirty_rows = 2
+    idx = torch.tensor([1, 2, 3], dtype=I32)
+    if isinstance(fails, Exception):
+        with pytest.raises(BackendError, match="triton-cuda") as info:
+            bt.gather_block_tables(idx, 3)
+        assert info.value.__cause__ is fails and info.value.__suppress_context__
+        assert bt._mode.dirty_rows == 2
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            bt.gather_block_tables(idx, 3)
+        assert bt._mode.dirty_rows == 3

@@ -1,0 +1,99 @@
+"""The compiled stage entry on a real GPU (`multiwrite.stage.entry`): an engine's eager gather and slot-mapping calls
+(device inputs, nothing applied) are taken by the entry, not the Python path, and give what a twin whose every call
+takes the Python path gives (`check_addresses=True`: the address check is due at every call, so the entry never
+takes one): on the current stream, on a side stream behind a busy one, and captured into a CUDA graph replayed with
+new inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from multiwrite import BlockTables
+from multiwrite.backends.triton.plan import TritonPlan
+from tests.gpu.helpers import busy
+
+BLOCK_SIZES, KERNEL_BLOCK_SIZES, WIDTHS = [16, 32, 16], [16, 16, 8], [64, 32, 64]
+REQS, TOKENS = 64, 256
+
+
+def _pair(device):
+    made = [BlockTables(BLOCK_SIZES, REQS, WIDTHS, device, KERNEL_BLOCK_SIZES, max_num_batched_tokens=TOKENS,
+                        sliding_window_reach=[0, 0, 100], check_addresses=check)  # fmt: skip
+            for check in (False, True)]
+    rng = np.random.default_rng(5)
+    for r in range(REQS):
+        ids = [rng.integers(1, 10_000, size=w).tolist() for w in WIDTHS]  # (full rows: every position maps)
+        for bt in made:
+            bt.append_block_ids(r, ids, True)
+    for bt in made:
+        bt.apply_staged_writes()
+    assert made[0]._mode.entry is not None and made[1]._mode.entry is not None
+    return made
+
+
+def _step(rng, device, dtype):
+    n = int(rng.integers(1, REQS + 1))
+    idx = torch.tensor(rng.choice(REQS, size=n, replace=False).tolist(), dtype=dtype, device=device)
+    lens = rng.integers(1, 4, size=n)
+    qsl = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=dtype, device=device)
+    pos = torch.tensor(rng.integers(0, 1000, size=int(lens.sum())).tolist(), dtype=torch.int64, device=device)
+    nct = torch.tensor(rng.integers(0, 1000, size=REQS).tolist(), dtype=dtype, device=device)
+    return idx, qsl, pos, nct, min(n + int(rng.integers(0, 3)), REQS), int(lens.sum()) + int(rng.integers(0, 4))
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["current stream", "side stream behind a busy one"])
+def test_an_engines_calls_are_the_entrys_and_match_the_python_path(device, monkeypatch, side_stream):
+    ours, twin = _pair(device)
+    python_path = []
+    original = TritonPlan._stage
+
+    def counting(self, *args):
+        python_path.append(self is ours._mode.plan)
+        return original(self, *args)
+
+    monkeypatch.setattr(TritonPlan, "_stage", counting)
+    rng = np.random.default_rng(11)
+    stream = torch.cuda.Stream(device) if side_stream else torch.cuda.current_stream(device)
+    calls = 0
+    for i in range(60):
+        idx, qsl, pos, nct, padded, tokens = _step(rng, device, torch.int32 if i % 2 else torch.int64)
+        with torch.cuda.stream(stream):
+            if side_stream:
+                busy(0.002)
+            got = [*ours.gather_block_tables(idx, padded, num_computed_tokens=nct),
+                   ours.compute_slot_mappings(idx, qsl, pos, tokens)]  # fmt: skip
+            want = [*twin.gather_block_tables(idx, padded, num_computed_tokens=nct),
+                    twin.compute_slot_mappings(idx, qsl, pos, tokens)]  # fmt: skip
+            calls += 2
+        stream.synchronize()
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), i
+    # (ours on the Python path: the first call of each of its 4 variants, which binds its fast launcher, and the calls
+    # at which its address check is due)
+    assert sum(python_path) <= 4 + calls // 63 + 1, (sum(python_path), calls)
+
+
+def test_a_captured_gather_through_the_entry_replays_with_new_inputs(device):
+    ours, twin = _pair(device)
+    rng = np.random.default_rng(3)
+    idx = torch.zeros(REQS, dtype=torch.int32, device=device)
+    for _ in range(3):  # (bind the fast launchers outside the capture)
+        ours.gather_block_tables(idx[:8], 8)
+        ours.compute_slot_mappings(idx[:8], torch.arange(9, dtype=torch.int32, device=device),
+                                   torch.zeros(8, dtype=torch.int64, device=device), 8)  # fmt: skip
+    torch.cuda.synchronize(device)
+    launches = ours._mode.plan.device.stage_launcher.launches
+    graph = torch.cuda.Graph()
+    sub = idx[:16]
+    with torch.cuda.graph(graph):
+        views = ours.gather_block_tables(sub, 16)
+    assert ours._mode.plan.device.stage_launcher.launches == launches + 1
+    for _ in range(5):
+        sub.copy_(torch.tensor(rng.choice(REQS, size=16, replace=False).tolist(), dtype=torch.int32))
+        graph.replay()
+        want = twin.gather_block_tables(sub.clone(), 16)
+        torch.cuda.synchronize(device)
+        for a, b in zip(views, want, strict=True):
+            assert torch.equal(a, b)
