@@ -176,11 +176,22 @@ static void set_dirty(StageEntry *self, long long rows) {
  * fire and the current device be the tables'; then fire(grid0, 1, stream, args) with TritonPlan._stage's lease-less
  * arguments (`ptrs`: idx, qsl, pos, pad, nct; `n` requests, `padded` rows, `tokens` positions). 1 (launched), 0 (not
  * taken), -1 (error set: failure's). A gather (`gather`) reads and moves the owner's dirty_rows. */
+static int launch_with(StageEntry *self, PyObject *fire, int gather, const long long ptrs[5], long long n,
+                       long long padded, long long tokens);
+
 static int launch(StageEntry *self, PyObject *key, int gather, const long long ptrs[5], long long n, long long padded,
                   long long tokens) {
-    PyObject *fire = PyDict_GetItemWithError(self->fire, key); /* (borrowed) */
+    PyObject *fire = PyDict_GetItemWithError(self->fire, key);
     if (fire == NULL || fire == Py_None)
         return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(fire); /* (held for the call: nothing it runs can free it) */
+    int ok = launch_with(self, fire, gather, ptrs, n, padded, tokens);
+    Py_DECREF(fire);
+    return ok;
+}
+
+static int launch_with(StageEntry *self, PyObject *fire, int gather, const long long ptrs[5], long long n,
+                       long long padded, long long tokens) {
     long long current, dirty = 0;
     PyObject *noargs = NULL;
     int ok = as_ll(PyObject_Vectorcall(self->get_device, &noargs, 0, NULL), &current);
