@@ -85,7 +85,7 @@ def test_a_captured_gather_through_the_entry_replays_with_new_inputs(device):
                                    torch.zeros(8, dtype=torch.int64, device=device), 8)  # fmt: skip
     torch.cuda.synchronize(device)
     launches = ours._mode.plan.device.stage_launcher.launches
-    graph = torch.cuda.Graph()
+    graph = torch.cuda.CUDAGraph()
     sub = idx[:16]
     with torch.cuda.graph(graph):
         views = ours.gather_block_tables(sub, 16)
