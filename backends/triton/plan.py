@@ -80,6 +80,11 @@ class TritonPlan(GraphPlan):
         self.splits = max(1, -(-max(layout.widths) // stage.CHUNK.value))
         self._groups = layout.num_groups
         self._fallback = slots.data_ptr()  # an empty tensor's address, 0, would read as an int32 under the interpreter
+        f = self._fallback
+        # The arguments of a launch that reads no staged batch, before the step's (`_stage`, the compiled entry):
+        # the stage descriptors, no batch (meta, values, bounds, counter, done word), token 0, no writes or values,
+        # one round, one tile, one program of it, no apply programs.
+        self._no_batch = (self._sdesc_addr, f, f, f, f, 0, 0, 0, 0, 1, 1, 0)
         self._consts: dict[tuple, dict] = {}
         self._cp = (layout.cp_size, layout.cp_interleave)
         self._window = any(layout.sliding_window_reach)  # (else num_computed_tokens changes nothing: not read)
@@ -148,7 +153,7 @@ class TritonPlan(GraphPlan):
         device = self.device
         launcher = device.stage_launcher
         if lease is None:  # (no staging memory is read: done word 0)
-            args = (self._sdesc_addr, f, f, f, f, 0, 0, 0, 0, 1, 1, 0, *tail)
+            args = (*self._no_batch, *tail)
             if pdl:
                 return launcher.launch(key, consts, grid0, 1, args, jit=True, launch_pdl=True)
             fire = launcher.fire.get(key)
@@ -180,17 +185,17 @@ class TritonPlan(GraphPlan):
 
     def stage_launch_spec(self) -> StageLaunchSpec | None:
         """On a GPU, `launch_spec()`: the compiled entry launches this plan's lease-less stage calls itself; None
-        under the interpreter."""
+        under the interpreter. (A subclass that changes what `_stage` launches must return None here.)"""
         return self.launch_spec() if self.device.is_gpu else None
 
     def launch_spec(self) -> StageLaunchSpec:
         """What `_stage` fixes of a lease-less launch of the stage kernel (`multiwrite.stage.entry`): the entry builds
-        the same arguments and variant key from it."""
+        the same arguments (`head`: the no-batch arguments `_stage` passes first) and variant key from it."""
         layout = self.layout
         mnbt = layout.max_num_batched_tokens
         return StageLaunchSpec(
             self.device.stage_launcher, self.device.index, get_device, get_stream, layout, layout.max_num_reqs,
-            -1 if mnbt is None else mnbt, self._groups, self.splits, self._sdesc_addr, self._fallback, *self._cp,
+            -1 if mnbt is None else mnbt, self._groups, self.splits, self._no_batch, self._fallback, *self._cp,
             self._window,
         )  # fmt: skip
 

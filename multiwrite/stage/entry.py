@@ -32,7 +32,8 @@ class StageLaunchSpec:
         layout: the tables' `TablesLayout` (`gathered`, `slots` and their view caches).
         max_num_reqs, max_num_batched_tokens: the tables' sizes (-1: no slot mappings).
         groups, splits: KV-cache groups and programs per row of the stage kernel.
-        sdesc_addr: the stage descriptors' device address; fallback: the address passed for an absent input.
+        head: the kernel's arguments before the step's (the stage descriptors and "no staged batch"), as ints.
+        fallback: the address passed for an absent input.
         cp_size, cp_interleave: context parallelism (part of the variant key).
         window: whether any group has a sliding window (else num_computed_tokens is not read).
         tensor_type, int32, int64, boolean: `torch.Tensor` and the dtypes the inputs may have.
@@ -47,7 +48,7 @@ class StageLaunchSpec:
     max_num_batched_tokens: int
     groups: int
     splits: int
-    sdesc_addr: int
+    head: tuple[int, ...]
     fallback: int
     cp_size: int
     cp_interleave: int
@@ -77,4 +78,6 @@ def stage_entry(owner: Any, countdown: Any, guard: Any, outputs: Any, failure: C
     failed launch raises, from the launch's error); None where the plan has no `spec` or the helper is not built."""
     if spec is None or _cstaging is None or not isinstance(countdown, _cstaging.Countdown):
         return None
+    if not isinstance(spec, StageLaunchSpec):
+        raise TypeError(f"TablesPlan.stage_launch_spec() must return a StageLaunchSpec or None, got {spec!r}")
     return _cstaging.StageEntry(owner, countdown, guard.base, guard, outputs.base, outputs, failure, spec)

@@ -21,8 +21,8 @@ typedef struct {
     PyObject *owner, *countdown, *storage, *guard, *outputs, *outputs_guard, *failure;
     /* the launch's (StageLaunchSpec) */
     PyObject *launcher, *fire, *get_device, *get_stream, *index_obj, *layout, *gathered_views, *slot_views;
-    PyObject *tensor_type, *int32, *int64, *boolean, *cp_size, *cp_interleave;
-    long long index, max_num_reqs, max_num_batched_tokens, groups, splits, sdesc_addr, fallback;
+    PyObject *tensor_type, *int32, *int64, *boolean, *cp_size, *cp_interleave, *head;
+    long long index, max_num_reqs, max_num_batched_tokens, groups, splits, fallback;
     int window;
 } StageEntry;
 
@@ -65,6 +65,9 @@ static int call_ll(PyObject *obj, PyObject *name, long long *out) {
     return as_ll(PyObject_VectorcallMethod(name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL), out);
 }
 
+/* The step's arguments after the spec's head: groups, idx, qsl, pos, pad, nct, num_reqs, rows, tokens, splits. */
+#define STEP_ARGS 10
+
 /* What the stage kernel reads of one input tensor. */
 typedef struct {
     PyObject *dtype; /* borrowed: one of the spec's dtype objects */
@@ -78,8 +81,8 @@ static int device_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
         return 0;
     long long device;
     int ok = call_ll(t, s_get_device, &device);
-    if (ok <= 0 || device != self->index)
-        return ok;
+    if (ok <= 0 || device != self->index) /* (a host input, or one on another device: the Python path copies it) */
+        return ok < 0 ? -1 : 0;
     PyObject *dtype = PyObject_GetAttr(t, s_dtype);
     if (dtype == NULL)
         return -1;
@@ -195,30 +198,40 @@ static int launch_with(StageEntry *self, PyObject *fire, int gather, const long 
     long long current, dirty = 0;
     PyObject *noargs = NULL;
     int ok = as_ll(PyObject_Vectorcall(self->get_device, &noargs, 0, NULL), &current);
-    if (ok <= 0 || current != self->index) /* (another device current: the Python path switches to the tables') */
-        return ok < 0 ? -1 : 0;
+    if (ok < 0) {
+        raise_failure(self); /* (the Python path's launch asks for the device: its error is the job's) */
+        return -1;
+    }
+    if (ok == 0 || current != self->index) /* (another device current: the Python path switches to the tables') */
+        return 0;
     if (gather) {
         if ((ok = as_ll(PyObject_GetAttr(self->owner, s_dirty_rows), &dirty)) <= 0)
             return ok;
         if (dirty > padded)
             padded = dirty;
     }
-    const long long f = self->fallback;
-    const long long items[22] = {self->sdesc_addr, f, f, f, f, 0, 0, 0, 0, 1, 1, 0, self->groups, ptrs[0], ptrs[1],
-                                 ptrs[2], ptrs[3], ptrs[4], n, padded, tokens, self->splits};
-    PyObject *args = PyTuple_New(22), *grid0 = NULL, *one = NULL, *stream = NULL, *result = NULL;
+    /* the arguments: the spec's head (what a lease-less launch passes for the staged batch), then the step's */
+    const Py_ssize_t nhead = PyTuple_GET_SIZE(self->head);
+    const long long items[STEP_ARGS] = {self->groups, ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], n, padded, tokens,
+                                        self->splits};
+    PyObject *args = PyTuple_New(nhead + STEP_ARGS), *grid0 = NULL, *one = NULL, *stream = NULL, *result = NULL;
     if (args == NULL)
         return -1;
-    for (int i = 0; i < 22; i++) {
+    for (Py_ssize_t i = 0; i < nhead; i++)
+        PyTuple_SET_ITEM(args, i, Py_NewRef(PyTuple_GET_ITEM(self->head, i)));
+    for (int i = 0; i < STEP_ARGS; i++) {
         PyObject *item = PyLong_FromLongLong(items[i]);
         if (item == NULL)
             goto fail;
-        PyTuple_SET_ITEM(args, i, item);
+        PyTuple_SET_ITEM(args, nhead + i, item);
     }
     if ((grid0 = PyLong_FromLongLong(self->groups * (padded + 1) * self->splits)) == NULL ||
-        (one = PyLong_FromLong(1)) == NULL ||
-        (stream = PyObject_CallOneArg(self->get_stream, self->index_obj)) == NULL)
+        (one = PyLong_FromLong(1)) == NULL)
         goto fail;
+    if ((stream = PyObject_CallOneArg(self->get_stream, self->index_obj)) == NULL) {
+        raise_failure(self);
+        goto fail;
+    }
     ((mw_Countdown *)self->countdown)->left--; /* (the preamble's truth test: false, as preamble_holds found) */
     PyObject *call[4] = {grid0, one, stream, args};
     result = PyObject_Vectorcall(fire, call, 4, NULL);
@@ -342,75 +355,81 @@ static PyObject *entry_slots(StageEntry *self, PyObject *const *args, Py_ssize_t
     return cached_view(self->slot_views, self->layout, s_slots, tokens_obj);
 }
 
-/* An attribute of the spec: a new reference (spec_obj), or an int (spec_ll); NULL / -1 with an error set. */
-static PyObject *spec_obj(PyObject *spec, const char *name) { return PyObject_GetAttrString(spec, name); }
-
+/* An int attribute of the spec into *out: 0, or -1 with an error set. */
 static int spec_ll(PyObject *spec, const char *name, long long *out) {
-    int ok = as_ll(spec_obj(spec, name), out);
+    int ok = as_ll(PyObject_GetAttrString(spec, name), out);
     if (ok == 0)
         PyErr_Format(PyExc_TypeError, "StageEntry: spec.%s must be an int", name);
     return ok > 0 ? 0 : -1;
 }
 
+/* The fields a StageEntry holds references to, in its struct's order from `owner` (entry_refs lists them too). */
+#define ENTRY_REFS 22
+
 static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"owner", "countdown", "storage", "guard", "outputs", "outputs_guard", "failure",
                                "spec", NULL};
-    PyObject *owner, *countdown, *storage, *guard, *outputs, *outputs_guard, *failure, *spec;
+    PyObject *given[8], *spec;
     if (intern_names() < 0 ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOO:StageEntry", keywords, &owner, &mw_CountdownType,
-                                     &countdown, &storage, &guard, &outputs, &outputs_guard, &failure, &spec))
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOO:StageEntry", keywords, &given[0], &mw_CountdownType,
+                                     &given[1], &given[2], &given[3], &given[4], &given[5], &given[6], &spec))
         return -1;
-    if (!PyCallable_Check(failure)) {
+    if (!PyCallable_Check(given[6])) {
         PyErr_SetString(PyExc_TypeError, "StageEntry: failure must be callable");
         return -1;
     }
-    Py_XSETREF(self->owner, Py_NewRef(owner));
-    Py_XSETREF(self->countdown, Py_NewRef(countdown));
-    Py_XSETREF(self->storage, Py_NewRef(storage));
-    Py_XSETREF(self->guard, Py_NewRef(guard));
-    Py_XSETREF(self->outputs, Py_NewRef(outputs));
-    Py_XSETREF(self->outputs_guard, Py_NewRef(outputs_guard));
-    Py_XSETREF(self->failure, Py_NewRef(failure));
-    struct {
-        const char *name;
-        PyObject **field;
-    } objs[] = {{"launcher", &self->launcher},       {"get_device", &self->get_device},
-                {"get_stream", &self->get_stream},   {"layout", &self->layout},
-                {"tensor_type", &self->tensor_type}, {"int32", &self->int32},
-                {"int64", &self->int64},             {"boolean", &self->boolean},
-                {"cp_size", &self->cp_size},         {"cp_interleave", &self->cp_interleave}};
-    for (size_t i = 0; i < sizeof(objs) / sizeof(objs[0]); i++) {
-        PyObject *value = spec_obj(spec, objs[i].name);
-        if (value == NULL)
-            return -1;
-        Py_XSETREF(*objs[i].field, value);
-    }
-    PyObject *fire = PyObject_GetAttrString(self->launcher, "fire");
-    PyObject *gathered = PyObject_GetAttrString(self->layout, "gathered_views");
-    PyObject *slots = PyObject_GetAttrString(self->layout, "slot_views");
-    Py_XSETREF(self->fire, fire);
-    Py_XSETREF(self->gathered_views, gathered);
-    Py_XSETREF(self->slot_views, slots);
-    if (fire == NULL || gathered == NULL || slots == NULL)
-        return -1;
-    if (!PyDict_Check(fire) || !PyDict_Check(gathered) || !PyDict_Check(slots)) {
+    /* Everything is read and checked into `got` first: a failed (re-)initialization leaves the entry as it was. */
+    static const char *const names[] = {"launcher", "get_device", "get_stream", "layout", "tensor_type", "int32",
+                                        "int64", "boolean", "cp_size", "cp_interleave", "head"};
+    PyObject *got[ENTRY_REFS] = {NULL};
+    for (int i = 0; i < 7; i++)
+        got[i] = Py_NewRef(given[i]);
+    int ok = 0;
+    for (int i = 0; i < 11 && ok == 0; i++)
+        ok = (got[7 + i] = PyObject_GetAttrString(spec, names[i])) == NULL ? -1 : 0;
+    /* then launcher.fire, layout.gathered_views, layout.slot_views and the device index as an int */
+    if (ok == 0 && ((got[18] = PyObject_GetAttrString(got[7], "fire")) == NULL ||
+                    (got[19] = PyObject_GetAttrString(got[10], "gathered_views")) == NULL ||
+                    (got[20] = PyObject_GetAttrString(got[10], "slot_views")) == NULL))
+        ok = -1;
+    if (ok == 0 && !(PyDict_Check(got[18]) && PyDict_Check(got[19]) && PyDict_Check(got[20]) && PyTuple_Check(got[17]))) {
         PyErr_SetString(PyExc_TypeError, "StageEntry: launcher.fire, layout.gathered_views and layout.slot_views must "
-                                         "be dicts");
+                                         "be dicts, spec.head a tuple");
+        ok = -1;
+    }
+    long long index = 0, reqs = 0, tokens = 0, groups = 0, splits = 0, fallback = 0;
+    int window = 0;
+    if (ok == 0 && (spec_ll(spec, "device_index", &index) < 0 || spec_ll(spec, "max_num_reqs", &reqs) < 0 ||
+                    spec_ll(spec, "max_num_batched_tokens", &tokens) < 0 || spec_ll(spec, "groups", &groups) < 0 ||
+                    spec_ll(spec, "splits", &splits) < 0 || spec_ll(spec, "fallback", &fallback) < 0))
+        ok = -1;
+    if (ok == 0) {
+        PyObject *w = PyObject_GetAttrString(spec, "window");
+        ok = w == NULL || (window = PyObject_IsTrue(w)) < 0 ? -1 : 0;
+        Py_XDECREF(w);
+    }
+    if (ok == 0 && (got[21] = PyLong_FromLongLong(index)) == NULL)
+        ok = -1;
+    if (ok < 0) {
+        for (int i = 0; i < ENTRY_REFS; i++)
+            Py_XDECREF(got[i]);
         return -1;
     }
-    if (spec_ll(spec, "device_index", &self->index) < 0 || spec_ll(spec, "max_num_reqs", &self->max_num_reqs) < 0 ||
-        spec_ll(spec, "max_num_batched_tokens", &self->max_num_batched_tokens) < 0 ||
-        spec_ll(spec, "groups", &self->groups) < 0 || spec_ll(spec, "splits", &self->splits) < 0 ||
-        spec_ll(spec, "sdesc_addr", &self->sdesc_addr) < 0 || spec_ll(spec, "fallback", &self->fallback) < 0)
-        return -1;
-    PyObject *window = spec_obj(spec, "window");
-    if (window == NULL || (self->window = PyObject_IsTrue(window)) < 0) {
-        Py_XDECREF(window);
-        return -1;
-    }
-    Py_DECREF(window);
-    Py_XSETREF(self->index_obj, PyLong_FromLongLong(self->index));
-    return self->index_obj == NULL ? -1 : 0;
+    PyObject **fields[ENTRY_REFS] = {
+        &self->owner, &self->countdown, &self->storage, &self->guard, &self->outputs, &self->outputs_guard,
+        &self->failure, &self->launcher, &self->get_device, &self->get_stream, &self->layout, &self->tensor_type,
+        &self->int32, &self->int64, &self->boolean, &self->cp_size, &self->cp_interleave, &self->head, &self->fire,
+        &self->gathered_views, &self->slot_views, &self->index_obj};
+    for (int i = 0; i < ENTRY_REFS; i++)
+        Py_XSETREF(*fields[i], got[i]);
+    self->index = index;
+    self->max_num_reqs = reqs;
+    self->max_num_batched_tokens = tokens;
+    self->groups = groups;
+    self->splits = splits;
+    self->fallback = fallback;
+    self->window = window;
+    return 0;
 }
 
 static const Py_ssize_t entry_refs[] = {
@@ -421,7 +440,7 @@ static const Py_ssize_t entry_refs[] = {
     offsetof(StageEntry, layout),     offsetof(StageEntry, gathered_views), offsetof(StageEntry, slot_views),
     offsetof(StageEntry, tensor_type), offsetof(StageEntry, int32),         offsetof(StageEntry, int64),
     offsetof(StageEntry, boolean),    offsetof(StageEntry, cp_size),        offsetof(StageEntry, cp_interleave),
-    -1};
+    offsetof(StageEntry, head),       -1};
 
 MW_GC_FUNCS(entry, StageEntry)
 

@@ -320,3 +320,66 @@ def test_a_failed_launch_through_the_entry_is_raised_as_the_python_path_raises_i
         with pytest.raises(KeyboardInterrupt):
             bt.gather_block_tables(idx, 3)
         assert bt._mode.dirty_rows == 3
+
+
+@pytest.mark.parametrize("where", ["idx", "qsl", "pos", "pad", "nct"])
+def test_an_input_on_another_device_is_the_python_paths(tables, monkeypatch, where):
+    """A host input of GPU tables (or one on another GPU) is not the entry's: the Python path copies or refuses it
+    (an int32 `is_padding` is refused, naming it). The entry once took such an input without reading it (its check
+    returned "accepted" on a device mismatch) and launched with garbage for its address and length."""
+    bt, stand_in = tables
+    idx, qsl, pos = torch.tensor([2, 0], dtype=I32), torch.tensor([0, 2, 3], dtype=I32), torch.tensor([5, 6, 1])
+    nct, pad = torch.zeros(6, dtype=I64), torch.zeros(4, dtype=torch.bool)
+    if where == "pad":
+        pad = torch.zeros(4, dtype=I32)  # (a dtype the Python path refuses: the entry must not launch it)
+    elsewhere = {"idx": idx, "qsl": qsl, "pos": pos, "pad": pad, "nct": nct}[where]
+    get_device = torch.Tensor.get_device
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 1 if t is elsewhere else get_device(t))
+    stage = bt._mode.plan.device.stage_launcher
+    for call in ("gather", "slots"):
+        if call == "gather" and where in ("qsl", "pos", "pad") or call == "slots" and where == "nct":
+            continue
+        launches = stage.launches
+        with pytest.raises(StageInputError, match="is_padding") if where == "pad" else contextlib.nullcontext():
+            if call == "gather":
+                bt.gather_block_tables(idx, 2, num_computed_tokens=nct)
+            else:
+                bt.compute_slot_mappings(idx, qsl, pos, 4, pad)
+        assert stand_in.calls == []
+        assert stage.launches == launches + (where != "pad")
+
+
+def test_a_failed_reinitialization_leaves_the_entry_as_it_was(tables):
+    """`__init__` again with a spec it cannot use raises and changes nothing: the entry still launches as before."""
+    bt, stand_in = tables
+    mode, entry = bt._mode, bt._mode.entry
+    bad = dataclasses.replace(mode.plan.launch_spec(), layout=object())
+    with pytest.raises(AttributeError, match="gathered_views"):
+        entry.__init__(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base, mode.outputs_guard,
+                       mode.failure, bad)  # fmt: skip
+    assert entry.gather(torch.tensor([1], dtype=I32), 1, None) is not None and len(stand_in.calls) == 1
+    with pytest.raises(TypeError, match="not initialized"):
+        type(entry).__new__(type(entry)).gather(torch.tensor([1], dtype=I32), 1, None)
+
+
+def test_a_failing_device_query_is_raised_as_the_jobs_failure(tables, monkeypatch):
+    """torch's current-device query failing inside the entry is raised as a launch failure is on the Python path: the
+    `BackendError` naming the backend, from the query's error; nothing launched."""
+    bt, stand_in = tables
+    mode = bt._mode
+
+    def broken():
+        raise RuntimeError("CUDA error: device unavailable")
+
+    spec = dataclasses.replace(mode.plan.launch_spec(), launcher=stand_in, device_index=-1, get_device=broken)
+    mode.entry.__init__(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
+                        mode.outputs_guard, mode.failure, spec)  # fmt: skip
+    with pytest.raises(BackendError, match="triton-cuda") as info:
+        bt.gather_block_tables(torch.tensor([1], dtype=I32), 1)
+    assert "device unavailable" in str(info.value.__cause__) and stand_in.calls == []
+
+
+def test_a_plan_returning_something_else_than_a_launch_spec_is_named(monkeypatch):
+    monkeypatch.setattr(TritonPlan, "stage_launch_spec", lambda self: {"launcher": None})
+    with pytest.raises(TypeError, match="stage_launch_spec\\(\\) must return a StageLaunchSpec or None"):
+        BlockTables(backend=TritonCudaBackend(), **GROUPS)
