@@ -97,3 +97,23 @@ def test_a_captured_gather_through_the_entry_replays_with_new_inputs(device):
         torch.cuda.synchronize(device)
         for a, b in zip(views, want, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("place", ["pageable", "pinned", "mixed"])
+def test_host_inputs_are_the_python_paths_and_match(device, place):
+    """Host inputs of GPU tables (all of them, or one among device inputs) go to the Python path, which copies them:
+    the results equal the twin's (the entry once took a host input unread)."""
+    ours, twin = _pair(device)
+    rng = np.random.default_rng(8)
+    for i in range(10):
+        idx, qsl, pos, nct, padded, tokens = _step(rng, device, torch.int32)
+        host = [t.cpu() for t in (idx, qsl, pos)]
+        if place == "pinned":
+            host = [t.pin_memory() for t in host]
+        if place == "mixed":
+            host = [idx, qsl, pos.cpu()] if i % 2 else [idx.cpu(), qsl, pos]
+        got = [*ours.gather_block_tables(host[0], padded), ours.compute_slot_mappings(*host, tokens)]
+        want = [*twin.gather_block_tables(idx, padded), twin.compute_slot_mappings(idx, qsl, pos, tokens)]
+        torch.cuda.synchronize(device)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (place, i)
