@@ -154,13 +154,9 @@ class TritonPlan(GraphPlan):
         launcher = device.stage_launcher
         if lease is None:  # (no staging memory is read: done word 0)
             args = (*self._no_batch, *tail)
+            # (an eager gather or slot-mapping call of an engine does not come here: the compiled entry launches it)
             if pdl:
                 return launcher.launch(key, consts, grid0, 1, args, jit=True, launch_pdl=True)
-            fire = launcher.fire.get(key)
-            if fire is not None and device.index == get_device():  # (`Launcher.launch`'s common case, one call less)
-                fire(grid0, 1, get_stream(device.index), args)
-                launcher.launches += 1
-                return None
             return launcher.launch(key, consts, grid0, 1, args)
         if rounds > 1:
             tiles = splits = 1
