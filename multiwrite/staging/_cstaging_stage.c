@@ -152,9 +152,15 @@ static void raise_failure(StageEntry *self) {
             return;
         }
         Py_XDECREF(raised);
+        PyObject *t2, *v2, *tb2; /* (failure's own error, raised while handling the launch's: its context) */
+        PyErr_Fetch(&t2, &v2, &tb2);
+        PyErr_NormalizeException(&t2, &v2, &tb2);
+        if (tb2 != NULL)
+            PyException_SetTraceback(v2, tb2);
+        PyException_SetContext(v2, value); /* (steals value) */
         Py_XDECREF(type);
-        Py_XDECREF(value);
         Py_XDECREF(tb);
+        PyErr_Restore(t2, v2, tb2);
         return;
     }
     PyException_SetContext(raised, Py_NewRef(value));

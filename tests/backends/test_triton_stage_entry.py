@@ -383,3 +383,19 @@ def test_a_plan_returning_something_else_than_a_launch_spec_is_named(monkeypatch
     monkeypatch.setattr(TritonPlan, "stage_launch_spec", lambda self: {"launcher": None})
     with pytest.raises(TypeError, match="stage_launch_spec\\(\\) must return a StageLaunchSpec or None"):
         BlockTables(backend=TritonCudaBackend(), **GROUPS)
+
+
+def test_a_failure_function_that_raises_keeps_the_launch_error_as_its_context(tables):
+    bt, stand_in = tables
+    mode = bt._mode
+    stand_in.fails = RuntimeError("launch failed")
+
+    def failure(exc):
+        raise ValueError("failure() broke")
+
+    spec = dataclasses.replace(mode.plan.launch_spec(), launcher=stand_in, device_index=-1, get_device=lambda: -1)
+    entry = _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
+                                 mode.outputs_guard, failure, spec)  # fmt: skip
+    with pytest.raises(ValueError, match="failure\\(\\) broke") as info:
+        entry.gather(torch.tensor([1], dtype=I32), 1, None)
+    assert info.value.__context__ is stand_in.fails
