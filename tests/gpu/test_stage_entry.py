@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from multiwrite import BlockTables
-from multiwrite.backends.triton.plan import TritonPlan
 from tests.gpu.helpers import busy
 
 BLOCK_SIZES, KERNEL_BLOCK_SIZES, WIDTHS = [16, 32, 16], [16, 16, 8], [64, 32, 64]
@@ -45,6 +44,8 @@ def _step(rng, device, dtype):
 
 @pytest.mark.parametrize("side_stream", [False, True], ids=["current stream", "side stream behind a busy one"])
 def test_an_engines_calls_are_the_entrys_and_match_the_python_path(device, monkeypatch, side_stream):
+    from multiwrite.backends.triton.plan import TritonPlan  # (imports Triton: only where these tests run)
+
     ours, twin = _pair(device)
     python_path = []
     original = TritonPlan._stage
