@@ -5,8 +5,9 @@
  * mode's publish and the compiled-cpu backend's scatter have none: graph mode then reports that it needs this
  * module, and torch-cpu takes over from compiled-cpu).
  *
- * This module reads only objects of its own types (C structs) and arrays through the buffer protocol; it never
- * looks up an attribute by name:
+ * Its staging types read only objects of its own types (C structs) and arrays through the buffer protocol; they never
+ * look up an attribute by name (StageEntry, which checks torch tensors, is the exception: it reads the attributes a
+ * Python caller reads, through interned names):
  * - ArenaFields: a staging arena's counters, the addresses and capacities of its current lease, its batch number
  *   (the overlap epoch) and its list of runs on the staging clock. Base class of staging.arena.StagingArena.
  * - LeaseFields: one piece of staging memory: addresses, capacities, and for memory a kernel reads in place, its
@@ -20,13 +21,17 @@
  * - scatter_writes: the compiled-cpu backend's apply.
  * - Countdown: a counter whose truth test counts (`if countdown:` is true at every period-th test), the periodic
  *   address check of a BlockTables' preamble (multiwrite/tables/mode.py) at the cost of one C call of nb_bool.
+ * - FastLaunch: a compiled Triton kernel's launch as one call (multiwrite/backends/triton/launcher.py).
+ * - StageEntry: an eager gather or slot-mapping call that applies nothing, checked and launched in one call (or None:
+ *   the Python path runs it; multiwrite/stage/entry.py).
  *
  * Its source is split by type: this file holds the module itself (its functions bind_clock, set_fallbacks and
- * scatter_writes, the small type Countdown, PyInit) and the module's globals (the staging clock, the Python twin's fallbacks);
- * _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging, _cstaging_headers.c
- * HeaderRingFields, _cstaging_vllm.c VllmStaging, _cstaging_launch.c FastLaunch; _cstaging.h what they share (the structs of more than one file, the header ring's layout, the
- * type objects and what they share, the globals and the arena's shared steps, all named mw_* and hidden outside the
- * extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
+ * scatter_writes, the small type Countdown, PyInit) and the module's globals (the staging clock, the Python twin's
+ * fallbacks); _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging,
+ * _cstaging_headers.c HeaderRingFields, _cstaging_vllm.c VllmStaging, _cstaging_launch.c FastLaunch,
+ * _cstaging_stage.c StageEntry; _cstaging.h what they share (the structs of more than one file, the header ring's
+ * layout, the type objects and what they share, the globals and the arena's shared steps, all named mw_* and hidden
+ * outside the extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
  * mw_clear_refs, mw_gc_dealloc) and the TypeError of a call whose arguments do not bind (mw_usage_error).
  */
 #include "_cstaging.h"

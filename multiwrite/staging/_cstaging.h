@@ -2,8 +2,8 @@
  * multiwrite/staging/_cstaging.h: what the source files of the one extension module multiwrite.staging._cstaging
  * share (private: only its .c files include it, and nothing here is a Python-visible name of its own). It holds the
  * two structs more than one file reads (LeaseFields and ArenaFields; their types are in _cstaging_arena.c), the
- * header ring's layout (constants PyInit also exports), the type objects shared between files, the module's globals (the staging
- * clock, the Python twin's fallbacks; defined in _cstaging.c), what the type objects share (the macros MW_TYPE_HEAD
+ * header ring's layout (constants PyInit also exports), the type objects shared between files, the module's globals
+ * (the staging clock, the Python twin's fallbacks; defined in _cstaging.c), what the type objects share (MW_TYPE_HEAD
  * and MW_GC_SLOTS, and helpers defined in _cstaging.c), and the arena's C-level steps that block-id
  * staging and graph mode's publish take (defined in _cstaging_arena.c). Every name shared between files starts with
  * mw_ and stays inside the extension (MW_INTERNAL): PyInit__cstaging remains its only exported symbol. The files:

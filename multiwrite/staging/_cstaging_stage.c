@@ -26,8 +26,8 @@ typedef struct {
     int window;
 } StageEntry;
 
-static PyObject *s_version, *s_guard_version, *s_dirty_rows, *s_launches, *s_get_device, *s_stride, *s_data_ptr, *s_dtype, *s_shape,
-    *s_gathered, *s_slots;
+static PyObject *s_version, *s_guard_version, *s_dirty_rows, *s_launches, *s_get_device, *s_stride, *s_data_ptr,
+    *s_dtype, *s_shape, *s_gathered, *s_slots;
 
 static int intern_names(void) {
     if (s_version != NULL)
@@ -350,7 +350,8 @@ static PyObject *entry_slots(StageEntry *self, PyObject *const *args, Py_ssize_t
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *key = PyTuple_Pack(12, vi.dtype, vq.dtype, vp.dtype, pad != Py_None ? Py_True : Py_False, Py_False,
-                                 Py_True, Py_False, Py_False, self->cp_size, self->cp_interleave, self->int32, Py_False);
+                                 Py_True, Py_False, Py_False, self->cp_size, self->cp_interleave, self->int32,
+                                 Py_False);
     if (key == NULL)
         return NULL;
     const long long ptrs[5] = {vi.ptr, vq.ptr, vp.ptr, vd.ptr, self->fallback};
@@ -398,7 +399,8 @@ static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
                     (got[19] = PyObject_GetAttrString(got[10], "gathered_views")) == NULL ||
                     (got[20] = PyObject_GetAttrString(got[10], "slot_views")) == NULL))
         ok = -1;
-    if (ok == 0 && !(PyDict_Check(got[18]) && PyDict_Check(got[19]) && PyDict_Check(got[20]) && PyTuple_Check(got[17]))) {
+    if (ok == 0 &&
+        !(PyDict_Check(got[18]) && PyDict_Check(got[19]) && PyDict_Check(got[20]) && PyTuple_Check(got[17]))) {
         PyErr_SetString(PyExc_TypeError, "StageEntry: launcher.fire, layout.gathered_views and layout.slot_views must "
                                          "be dicts, spec.head a tuple");
         ok = -1;
