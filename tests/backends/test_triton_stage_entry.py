@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from multiwrite import BackendError, BlockTables, StageInputError
+from multiwrite import BackendError, BlockTables, StagedWriteError, StageInputError
 from multiwrite.backends.triton.backend import TritonCudaBackend
 from multiwrite.backends.triton.launcher import Launcher
 from multiwrite.backends.triton.plan import TritonPlan
@@ -285,6 +285,38 @@ def test_a_due_address_check_or_a_resized_table_goes_through_the_preamble(monkey
     assert len(stand_in.calls) == 3
 
 
+@pytest.mark.parametrize("call", ["gather", "slots"])
+def test_a_table_resized_in_place_is_refused_and_the_entry_launches_nothing(monkeypatch, call):
+    """The tables' guard (not only the outputs'): a group table resized in place sends the call to the Python path,
+    whose guard names it; nothing is launched (the descriptors hold the old shape)."""
+    bt, stand_in = entry_tables(monkeypatch, **GROUPS)
+    idx, qsl, pos = torch.tensor([0], dtype=I32), torch.tensor([0, 1], dtype=I32), torch.tensor([3])
+    run = (lambda: bt.gather_block_tables(idx, 1)) if call == "gather" else (
+        lambda: bt.compute_slot_mappings(idx, qsl, pos, 1))  # fmt: skip
+    run()
+    assert len(stand_in.calls) == 1
+    bt.block_tables[0].tensor.resize_(2, 2)
+    with pytest.raises(StagedWriteError, match="resized|set_"):
+        run()
+    assert len(stand_in.calls) == 1
+
+
+def test_tables_without_a_sliding_window_do_not_read_num_computed_tokens():
+    """Without a window group the variant key says "no window" whatever `num_computed_tokens` is, as `_stage`'s does
+    (else the entry would look up a key the Python path never binds, and never take such a call)."""
+    mp = pytest.MonkeyPatch()
+    try:
+        groups = {**GROUPS, "sliding_window_reach": [0, 0, 0]}
+        bt, stand_in = entry_tables(mp, **groups)
+        nct = torch.zeros(6, dtype=I64)
+        bt.gather_block_tables(torch.tensor([1], dtype=I32), 1, num_computed_tokens=nct)
+        assert len(stand_in.calls) == 1
+        key, args = stand_in.calls[0][0], stand_in.calls[0][3]
+        assert key[-2:] == (I32, False) and args[17] == args[14]  # (no window: nct's slot gets the fallback address)
+    finally:
+        mp.undo()
+
+
 def test_the_entry_counts_its_calls_on_the_preambles_countdown(tables):
     """Every call the entry takes counts one call of the address check's countdown; the call at which the check is
     due goes to the Python path, which checks the addresses and restarts the countdown."""
@@ -309,14 +341,18 @@ def test_a_failed_launch_through_the_entry_is_raised_as_the_python_path_raises_i
     """An `Exception` from the launch: the `BackendError` naming the backend and tables, from the launch's error, and
     the dirty rows unchanged (nothing launched); an interrupt: as it is, the dirty rows at the larger count."""
     bt, stand_in = entry_tables(monkeypatch, fails=fails, **GROUPS)
-    bt._mode.dirty_rows = 2
+    bt._mode.dirty_rows = 5  # (more than the 3 rows gathered: an interrupt leaves the larger count, 5)
     idx = torch.tensor([1, 2, 3], dtype=I32)
     if isinstance(fails, Exception):
         with pytest.raises(BackendError, match="triton-cuda") as info:
             bt.gather_block_tables(idx, 3)
         assert info.value.__cause__ is fails and info.value.__suppress_context__
-        assert bt._mode.dirty_rows == 2
+        assert bt._mode.dirty_rows == 5
     else:
+        with pytest.raises(KeyboardInterrupt):
+            bt.gather_block_tables(idx, 3)
+        assert bt._mode.dirty_rows == 5
+        bt._mode.dirty_rows = 2
         with pytest.raises(KeyboardInterrupt):
             bt.gather_block_tables(idx, 3)
         assert bt._mode.dirty_rows == 3
