@@ -12,9 +12,10 @@ parsers read the workload's constants for their help: numpy, never torch); what 
 library) is imported when it runs.
 
 Ctrl-C at any moment: this module imports only `sys` and `exit_codes` at its top, so everything else the command
-loads (argparse included) loads inside `main`'s `try`. An interrupt can leave a module half-initialized (torch's
-C extension loaded, `torch` itself gone from `sys.modules`); importing it again crashes or fails with a misleading
-error, so nothing on the way from the interrupt to the exit imports anything: the `except` clauses that an interrupt
+loads (argparse included) loads inside `main`'s `try`. An interrupt raised inside an import can abort the process
+(native module code calling back into Python) or leave a module half-initialized (torch's C extension loaded, `torch`
+itself gone from `sys.modules`), so `main`'s handler lets a running import end before it interrupts (`_importing`);
+and nothing on the way from the interrupt to the exit imports anything: the `except` clauses that an interrupt
 passes test classes already loaded (`_known_errors`), never import them.
 """
 
@@ -30,6 +31,7 @@ from multiwrite.cli.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTE
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
+    from types import FrameType
 
 #: One entry per subcommand: a function that adds its parser to the `multiwrite` subparsers (and sets
 #: `func`, the function that runs it and returns the exit code). A new subcommand is one more module and entry.
@@ -106,6 +108,18 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+def _importing(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside an import. An interrupt is never raised there: a module's initialization may be
+    native code calling back into Python (torch's `_c10d_init` does, while `import torch` runs), and an exception
+    thrown through it can abort the process (a C++ `terminate`, seen on the CI machine), where it would at best leave
+    the module half-initialized."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _Run:
     """What `main` knows of the run so far, for its messages: the parsed arguments once parsed, and whether a
     SIGINT arrived (recorded by `on_sigint`, so that an interrupt that some code turned into another error, or
@@ -121,12 +135,14 @@ class _Run:
     def where(self) -> str:
         return f" {self.args.command}" if self.args is not None else ""
 
-    def on_sigint(self, signum: int, frame: object) -> None:
+    def on_sigint(self, signum: int, frame: FrameType | None) -> None:
         """The SIGINT handler while `main` runs: record it, then interrupt as Python's own handler does; and until
-        `main` ends, again every 50 ms (`_resend`: code that swallowed the interrupt must not run on)."""
+        `main` ends, again every 50 ms (`_resend`: code that swallowed the interrupt must not run on). Inside an
+        import it only records: the import ends first and a resend interrupts after it (`_importing`)."""
         self.interrupted = True
         self._resend()
-        raise KeyboardInterrupt
+        if not _importing(frame):
+            raise KeyboardInterrupt
 
     def on_unraisable(self, unraisable: object) -> None:
         """`sys.unraisablehook` while `main` runs: an interrupt raised where Python cannot propagate it (a callback

@@ -297,6 +297,47 @@ def test_an_interrupt_that_is_lost_on_the_way_still_interrupts_the_command(loses
     assert done.stderr == ""  # recorded, not printed as an unraisable exception
 
 
+# A child whose SIGINT arrives inside an import (a module that sends it and runs on for a while): the import must end
+# whole and the interrupt come right after it. Raised inside it, torch's `_c10d_init` (native code calling back into
+# Python while `import torch` runs) aborted the process with a C++ `terminate` on the CI machine.
+INTERRUPTED_IMPORT = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from multiwrite.cli import _Run
+run = _Run()
+restore = run.watch()
+try:
+    try:
+        import interrupted_module
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            pass
+        print("ran-on")
+    except KeyboardInterrupt:
+        module = sys.modules.get("interrupted_module")
+        print("whole" if getattr(module, "ended", False) else "half", run.interrupted)
+finally:
+    restore()
+"""
+INTERRUPTED_MODULE = """
+import os, signal, time
+os.kill(os.getpid(), signal.SIGINT)
+deadline = time.monotonic() + 0.5
+while time.monotonic() < deadline:  # (where the interrupt is taken)
+    pass
+ended = True
+"""
+
+
+def test_an_interrupt_inside_an_import_waits_for_the_import_to_end(tmp_path):
+    (tmp_path / "interrupted_module.py").write_text(INTERRUPTED_MODULE)
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, str(tmp_path)], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=sigint_as_a_terminal_gives_it)  # fmt: skip
+    assert done.stdout.split() == ["whole", "True"], (done.stdout, done.stderr)
+    assert done.stderr == ""
+
+
 # A child that swallows an interrupt (as above), the resend that follows held back until `restore()` waits for it to
 # end: when the handlers go back, that interrupt is still pending, and `restore()` takes it itself (else it would
 # surface after the command ended, as a traceback).
