@@ -10,7 +10,7 @@ setup(
     ext_modules=[
         Extension(
             "multiwrite.staging._cstaging",
-            # One module from seven files (multiwrite/staging/_cstaging.h says what holds what).
+            # One module from eight files (multiwrite/staging/_cstaging.h says what holds what).
             [
                 "multiwrite/staging/_cstaging.c",
                 "multiwrite/staging/_cstaging_arena.c",
@@ -19,8 +19,9 @@ setup(
                 "multiwrite/staging/_cstaging_vllm.c",
                 "multiwrite/staging/_cstaging_launch.c",
                 "multiwrite/staging/_cstaging_stage.c",
+                "multiwrite/staging/_cstaging_prepare.c",
             ],
-            depends=["multiwrite/staging/_cstaging.h"],
+            depends=["multiwrite/staging/_cstaging.h", "multiwrite/staging/_cstaging_stage.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter"],
         )

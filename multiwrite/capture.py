@@ -35,6 +35,9 @@ from multiwrite.errors import ForkedCudaError, GraphCaptureError
 # torch's C functions themselves (no Python frame per call). CPU-only builds of torch lack or stub them; they are
 # only called for CUDA tables, which such builds cannot have.
 _is_capturing: Callable[[], bool] = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+#: Whether the current CUDA stream (of the current device) is capturing a CUDA graph: torch's C function itself
+#: (always False where torch is built without CUDA, whose stand-in of that function raises).
+current_stream_capturing: Callable[[], bool] = _is_capturing if torch.backends.cuda.is_built() else lambda: False
 _get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", lambda: 0)
 
 _HOST, _UNSEEN = object(), object()

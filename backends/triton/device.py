@@ -190,7 +190,7 @@ class TritonDevice:
 
         A launch that raises an `Exception` launched nothing: the slot is free again, nothing is counted, and the
         error propagates. An interrupt (`KeyboardInterrupt`) at any point is resolved before it propagates
-        (`_resolve`): once the stream has run what it holds, the slot's word tells whether the kernel ran (then it
+        (`resolve`): once the stream has run what it holds, the slot's word tells whether the kernel ran (then it
         is counted), so the caller lands the batch exactly when it was applied.
         """
         ring: SlotRing = lease.lender  # type: ignore[assignment]
@@ -210,11 +210,11 @@ class TritonDevice:
             raise
         except BaseException:
             if token is not None:
-                self._resolve(lease, token)
+                self.resolve(lease, token)
             raise
         lease.launches += 1
 
-    def _resolve(self, lease: Lease, token: int) -> None:
+    def resolve(self, lease: Lease, token: int) -> None:
         """After an interrupt around the launch that was to read `lease` with `token`: let the stream run what it
         holds (`drain`), then count the launch when its kernel stored the token, else free the slot. Further
         interrupts meanwhile are held back and the last one re-raised once this is decided (the decision is what

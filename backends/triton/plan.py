@@ -17,9 +17,9 @@ import triton.language as tl
 from multiwrite.backends.triton.device import Descriptors, TritonDevice, descriptor_rows
 from multiwrite.backends.triton.kernels import stage
 from multiwrite.backends.triton.launcher import get_device, get_stream
-from multiwrite.capture import settle
+from multiwrite.capture import current_stream_capturing, settle
 from multiwrite.plugins.backend import GraphPlan
-from multiwrite.stage.entry import StageLaunchSpec
+from multiwrite.stage.entry import StagedLaunchSpec, StageLaunchSpec
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.stage.step import StepInputs
 from multiwrite.staging.arena import Lease, StagingArena
@@ -28,6 +28,8 @@ from multiwrite.staging.headers import HeaderRing
 TL_INDEX = {torch.int32: tl.int32, torch.int64: tl.int64}
 # The stage kernel's sizes as plain ints (comparing with a constexpr would make a constexpr).
 APPLY_W, APPLY_L, PRELOADED = stage.APPLY_W.value, stage.APPLY_L.value, stage.PRELOADED_VALUES.value
+#: Column splits of one apply tile at most.
+MAX_APPLY_SPLITS = 64
 
 
 class TritonPlan(GraphPlan):
@@ -163,7 +165,8 @@ class TritonPlan(GraphPlan):
         else:
             tiles = (w + APPLY_W - 1) // APPLY_W
             splits = (
-                1 if v <= PRELOADED else max(1, min((v + APPLY_L - 1) // APPLY_L, 64, device.max_programs // tiles))
+                1 if v <= PRELOADED
+                else max(1, min((v + APPLY_L - 1) // APPLY_L, MAX_APPLY_SPLITS, device.max_programs // tiles))
             )
         device.launch_on(lease, launcher, key, consts, grid0 + tiles * splits, 1,
                          (self._sdesc_addr, lease.meta_addr, lease.values_addr, lease.bounds_addr),
@@ -180,19 +183,23 @@ class TritonPlan(GraphPlan):
         }  # fmt: skip
 
     def stage_launch_spec(self) -> StageLaunchSpec | None:
-        """On a GPU, `launch_spec()`: the compiled entry launches this plan's lease-less stage calls itself; None
-        under the interpreter. (A subclass that changes what `_stage` launches must return None here.)"""
+        """On a GPU, `launch_spec()`: the compiled entry launches this plan's eager stage calls itself; None under the
+        interpreter. (A subclass that changes what `_stage` launches must return None here.)"""
         return self.launch_spec() if self.device.is_gpu else None
 
     def launch_spec(self) -> StageLaunchSpec:
-        """What `_stage` fixes of a lease-less launch of the stage kernel (`multiwrite.stage.entry`): the entry builds
-        the same arguments (`head`: the no-batch arguments `_stage` passes first) and variant key from it."""
+        """What `_stage` fixes of a launch of the stage kernel (`multiwrite.stage.entry`): the entry builds the same
+        arguments (`head`: the no-batch arguments `_stage` passes first; `staged`: what a launch on the staged batch
+        passes instead and the sequence around it) and variant key from it."""
         layout = self.layout
         mnbt = layout.max_num_batched_tokens
+        device, arena = self.device, self.arena
+        staged = StagedLaunchSpec(arena, arena.lender, self.desc, device.resolve, current_stream_capturing, APPLY_W,
+                                  APPLY_L, PRELOADED, MAX_APPLY_SPLITS, device.max_programs)  # fmt: skip
         return StageLaunchSpec(
-            self.device.stage_launcher, self.device.index, get_device, get_stream, layout, layout.max_num_reqs,
+            device.stage_launcher, device.index, get_device, get_stream, layout, layout.max_num_reqs,
             -1 if mnbt is None else mnbt, self._groups, self.splits, self._no_batch, self._fallback, *self._cp,
-            self._window,
+            self._window, staged,
         )  # fmt: skip
 
     # -- graph mode -------------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""The compiled entry of an eager stage call: `StageLaunchSpec`, what a plan fixes of its stage kernel's launch, and
-`stage_entry`, which builds `_cstaging.StageEntry` from it.
+"""The compiled entry of an eager stage call: `StageLaunchSpec`, what a plan fixes of its stage kernel's launch (with
+`StagedLaunchSpec`, its launch on the staged batch), and `stage_entry`, which builds `_cstaging.StageEntry` from it.
 
-An eager `BlockTables.gather_block_tables` or `compute_slot_mappings` that applies nothing, called as an engine calls
-it on a GPU (its inputs contiguous device tensors, no `out`), is checked and launched by that one C call: the
-preconditions of the common case (the mode's preamble: the address check not due, no table or output resized; the
-inputs as `StepInputs.on_device` accepts them; the kernel variant bound to a fast launcher; the current device the
-tables'), then the launch `TritonPlan._stage` makes for that step. Where any of them fails it does nothing and returns
-None, and the call takes its one Python path (`TablesMode.stage_call`), which checks in full and names what is wrong.
+An eager `BlockTables.gather_block_tables` or `compute_slot_mappings` that applies nothing, or a `prepare_inputs`,
+called as an engine calls it on a GPU (its inputs contiguous device tensors, no `out`), is checked and launched by that
+one C call: the preconditions of the common case (the mode's preamble: the address check not due, no table or output
+resized; the inputs as `StepInputs.on_device` accepts them; the kernel variant bound to a fast launcher; the current
+device the tables'; for `prepare_inputs` also no capture under way, no overlapping writes staged and the ring's next
+slot free), then the launch `TritonPlan._stage` makes for that step (on the staged batch: inside the sequence of
+`StagingArena.land_after`, `TritonDevice.launch_on` and `SlotRing.hand_over`). Where any of them fails it does nothing
+and returns None, and the call takes its one Python path (`TablesMode.stage_call`), which checks in full and names
+what is wrong.
 docs/lifecycle.md#the-stage-entry says why it exists (the Python around a launch was two thirds of the call).
 """
 
@@ -19,6 +22,32 @@ from typing import Any, Protocol
 import torch
 
 from multiwrite.staging.fields import _cstaging
+
+
+@dataclass(frozen=True)
+class StagedLaunchSpec:
+    """What a plan fixes of its stage kernel's launch on the staged batch (`prepare`; `TritonPlan.launch_spec`).
+
+    Attributes:
+        arena: the tables' `StagingArena` (staged into a slot of `ring`; it lands on the ring's next slot).
+        ring: the arena's `SlotRing` (`leases`, `succ`, `counter_addrs` and `next`, as `SlotRing.acquire` and
+            `hand_over` move them).
+        keep: what each launch on a slot keeps alive until the slot is released (the apply's descriptors).
+        resolve: `resolve(lease, token)` after an interrupt around a launch (`TritonDevice.resolve`).
+        is_capturing: whether the current CUDA stream is capturing (a C function of torch).
+        apply_w, apply_l, preloaded, max_splits, max_programs: the apply programs' tiling (`TritonPlan._stage`).
+    """
+
+    arena: Any
+    ring: Any
+    keep: Any
+    resolve: Callable[[Any, int], None]
+    is_capturing: Callable[[], bool]
+    apply_w: int
+    apply_l: int
+    preloaded: int
+    max_splits: int
+    max_programs: int
 
 
 @dataclass(frozen=True)
@@ -36,6 +65,7 @@ class StageLaunchSpec:
         fallback: the address passed for an absent input.
         cp_size, cp_interleave: context parallelism (part of the variant key).
         window: whether any group has a sliding window (else num_computed_tokens is not read).
+        staged: the launch on the staged batch (`prepare`), or None: `prepare` leaves every call to the Python path.
         tensor_type, int32, int64, boolean: `torch.Tensor` and the dtypes the inputs may have.
     """
 
@@ -53,6 +83,7 @@ class StageLaunchSpec:
     cp_size: int
     cp_interleave: int
     window: bool
+    staged: StagedLaunchSpec | None = None
     tensor_type: type = torch.Tensor
     int32: torch.dtype = torch.int32
     int64: torch.dtype = torch.int64
@@ -60,7 +91,7 @@ class StageLaunchSpec:
 
 
 class StageEntry(Protocol):
-    """An eager stage call in one compiled call (`_cstaging.StageEntry`); None from either method: nothing was done."""
+    """An eager stage call in one compiled call (`_cstaging.StageEntry`); None from a method: nothing was done."""
 
     def gather(self, idx_mapping: Any, num_reqs_padded: Any,
                num_computed_tokens: Any) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
@@ -69,6 +100,12 @@ class StageEntry(Protocol):
     def slots(self, idx_mapping: Any, query_start_loc: Any, positions: Any, num_tokens_padded: Any,
               is_padding: Any) -> torch.Tensor | None:  # fmt: skip
         """`slot_mappings[:, :num_tokens_padded]`, computed (one launch), or None."""
+
+    def prepare(self, idx_mapping: Any, query_start_loc: Any, positions: Any, num_reqs_padded: Any,
+                num_tokens_padded: Any, is_padding: Any,
+                num_computed_tokens: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor] | None:  # fmt: skip
+        """`prepare_inputs`' (gathered views, slot-mapping view), the staged batch applied in the same launch, or
+        None."""
 
 
 def stage_entry(owner: Any, countdown: Any, guard: Any, outputs: Any, failure: Callable[[Exception], Exception],

@@ -22,14 +22,15 @@
  * - Countdown: a counter whose truth test counts (`if countdown:` is true at every period-th test), the periodic
  *   address check of a BlockTables' preamble (multiwrite/tables/mode.py) at the cost of one C call of nb_bool.
  * - FastLaunch: a compiled Triton kernel's launch as one call (multiwrite/backends/triton/launcher.py).
- * - StageEntry: an eager gather or slot-mapping call that applies nothing, checked and launched in one call (or None:
- *   the Python path runs it; multiwrite/stage/entry.py).
+ * - StageEntry: an eager gather, slot-mapping or prepare_inputs call, checked and launched in one call (or None: the
+ *   Python path runs it; multiwrite/stage/entry.py); prepare_inputs applies the staged batch in that launch.
  *
  * Its source is split by type: this file holds the module itself (its functions bind_clock, set_fallbacks and
  * scatter_writes, the small type Countdown, PyInit) and the module's globals (the staging clock, the Python twin's
  * fallbacks); _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging,
  * _cstaging_headers.c HeaderRingFields, _cstaging_vllm.c VllmStaging, _cstaging_launch.c FastLaunch,
- * _cstaging_stage.c StageEntry; _cstaging.h what they share (the structs of more than one file, the header ring's
+ * _cstaging_stage.c StageEntry (_cstaging_prepare.c its prepare, _cstaging_stage.h what both share); _cstaging.h
+ * what they share (the structs of more than one file, the header ring's
  * layout, the type objects and what they share, the globals and the arena's shared steps, all named mw_* and hidden
  * outside the extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
  * mw_clear_refs, mw_gc_dealloc) and the TypeError of a call whose arguments do not bind (mw_usage_error).

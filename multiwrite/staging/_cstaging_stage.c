@@ -11,44 +11,34 @@
  * with the arguments TritonPlan._stage passes for that step (multiwrite/stage/entry.py's StageLaunchSpec holds the
  * fixed ones), moves the owner's dirty_rows as stage_call does, and returns what the call returns: the views of
  * input_block_tables or of slot_mappings. A launch that raises an Exception is raised as failure(exc) (from exc), the
- * dirty rows unchanged; any other exception (an interrupt) moves them to the larger of both counts.
+ * dirty rows unchanged; any other exception (an interrupt) moves them to the larger of both counts. Its prepare, the
+ * call that applies the staged batch in the same launch, is _cstaging_prepare.c's.
  */
-#include "_cstaging.h"
+#include "_cstaging_stage.h"
 
-typedef struct {
-    PyObject_HEAD
-    /* the preamble's: the mode (its dirty_rows), its countdown, the guarded tensors and their guards */
-    PyObject *owner, *countdown, *storage, *guard, *outputs, *outputs_guard, *failure;
-    /* the launch's (StageLaunchSpec) */
-    PyObject *launcher, *fire, *get_device, *get_stream, *index_obj, *layout, *gathered_views, *slot_views;
-    PyObject *tensor_type, *int32, *int64, *boolean, *cp_size, *cp_interleave, *head;
-    long long index, max_num_reqs, max_num_batched_tokens, groups, splits, fallback;
-    int window;
-} StageEntry;
+static PyObject *s_version, *s_guard_version, *s_dirty_rows, *s_get_device, *s_stride, *s_data_ptr, *s_dtype,
+    *s_shape;
+PyObject *mw_s_launches, *mw_s_gathered, *mw_s_slots;
 
-static PyObject *s_version, *s_guard_version, *s_dirty_rows, *s_launches, *s_get_device, *s_stride, *s_data_ptr,
-    *s_dtype, *s_shape, *s_gathered, *s_slots;
-
-static int intern_names(void) {
+int mw_entry_names(void) {
     if (s_version != NULL)
         return 0;
     return (s_version = PyUnicode_InternFromString("_version")) == NULL ||
                    (s_guard_version = PyUnicode_InternFromString("version")) == NULL ||
                    (s_dirty_rows = PyUnicode_InternFromString("dirty_rows")) == NULL ||
-                   (s_launches = PyUnicode_InternFromString("launches")) == NULL ||
+                   (mw_s_launches = PyUnicode_InternFromString("launches")) == NULL ||
                    (s_get_device = PyUnicode_InternFromString("get_device")) == NULL ||
                    (s_stride = PyUnicode_InternFromString("stride")) == NULL ||
                    (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL ||
                    (s_dtype = PyUnicode_InternFromString("dtype")) == NULL ||
                    (s_shape = PyUnicode_InternFromString("shape")) == NULL ||
-                   (s_gathered = PyUnicode_InternFromString("gathered")) == NULL ||
-                   (s_slots = PyUnicode_InternFromString("slots")) == NULL
+                   (mw_s_gathered = PyUnicode_InternFromString("gathered")) == NULL ||
+                   (mw_s_slots = PyUnicode_InternFromString("slots")) == NULL
                ? -1
                : 0;
 }
 
-/* An int attribute or method result as a long long: 1 (into *out), 0 (not an int: not taken), -1 (error). */
-static int as_ll(PyObject *value, long long *out) {
+int mw_as_ll(PyObject *value, long long *out) {
     if (value == NULL)
         return -1;
     int ok = PyLong_CheckExact(value);
@@ -62,21 +52,15 @@ static int as_ll(PyObject *value, long long *out) {
 }
 
 static int call_ll(PyObject *obj, PyObject *name, long long *out) {
-    return as_ll(PyObject_VectorcallMethod(name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL), out);
+    return mw_as_ll(PyObject_VectorcallMethod(name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL), out);
 }
 
 /* The step's arguments after the spec's head: groups, idx, qsl, pos, pad, nct, num_reqs, rows, tokens, splits. */
 #define STEP_ARGS 10
 
-/* What the stage kernel reads of one input tensor. */
-typedef struct {
-    PyObject *dtype; /* borrowed: one of the spec's dtype objects */
-    long long len, ptr;
-} Vector;
-
 /* `t` a torch.Tensor (exactly) on the tables' device, 1-D contiguous (stride (1,)), of dtype int32/int64 (`flag`:
  * torch.bool): 1 (into *v), 0 (anything else: not taken), -1 (error). */
-static int device_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
+int mw_entry_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
     if ((PyObject *)Py_TYPE(t) != self->tensor_type)
         return 0;
     long long device;
@@ -104,7 +88,7 @@ static int device_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
     ok = PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 1;
     if (ok) {
         Py_INCREF(PyTuple_GET_ITEM(shape, 0));
-        ok = as_ll(PyTuple_GET_ITEM(shape, 0), &v->len);
+        ok = mw_as_ll(PyTuple_GET_ITEM(shape, 0), &v->len);
     }
     Py_DECREF(shape);
     if (ok <= 0)
@@ -115,24 +99,23 @@ static int device_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
     return ok;
 }
 
-/* The preamble's preconditions (TablesMode.enter's common case): 1 (hold), 0 (not taken), -1 (error). */
-static int preamble_holds(StageEntry *self) {
+int mw_entry_preamble(StageEntry *self) {
     if (((mw_Countdown *)self->countdown)->left <= 1) /* (due: the Python path checks the addresses) */
         return 0;
     PyObject *pairs[2][2] = {{self->storage, self->guard}, {self->outputs, self->outputs_guard}};
     for (int i = 0; i < 2; i++) {
         long long now, then;
-        int ok = as_ll(PyObject_GetAttr(pairs[i][0], s_version), &now);
+        int ok = mw_as_ll(PyObject_GetAttr(pairs[i][0], s_version), &now);
         if (ok > 0)
-            ok = as_ll(PyObject_GetAttr(pairs[i][1], s_guard_version), &then);
+            ok = mw_as_ll(PyObject_GetAttr(pairs[i][1], s_guard_version), &then);
         if (ok <= 0 || now != then)
             return ok < 0 ? -1 : 0;
     }
     return 1;
 }
 
-/* The raised Exception as failure(exc), raised from it (`raise failure(exc) from exc`); anything else as it is. */
-static void raise_failure(StageEntry *self) {
+/* (`raise failure(exc) from exc`) */
+void mw_entry_failure(StageEntry *self) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -170,8 +153,7 @@ static void raise_failure(StageEntry *self) {
     PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(raised)), raised, NULL);
 }
 
-/* owner.dirty_rows = rows, keeping a raised exception as it is. */
-static void set_dirty(StageEntry *self, long long rows) {
+void mw_entry_set_dirty(StageEntry *self, long long rows) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *n = PyLong_FromLongLong(rows);
@@ -181,87 +163,87 @@ static void set_dirty(StageEntry *self, long long rows) {
     PyErr_Restore(type, value, tb);
 }
 
-/* The launch of one step once its inputs hold: the variant named by `key` (TritonPlan._stage's key) must have a bound
- * fire and the current device be the tables'; then fire(grid0, 1, stream, args) with TritonPlan._stage's lease-less
- * arguments (`ptrs`: idx, qsl, pos, pad, nct; `n` requests, `padded` rows, `tokens` positions). 1 (launched), 0 (not
- * taken), -1 (error set: failure's). A gather (`gather`) reads and moves the owner's dirty_rows. */
-static int launch_with(StageEntry *self, PyObject *fire, int gather, const long long ptrs[5], long long n,
-                       long long padded, long long tokens);
+/* The step's arguments after the lead: groups, idx, qsl, pos, pad, nct, num_reqs, rows, tokens, splits. */
+#define STEP_ARGS 10
+#define LEAD_ARGS 12
 
-static int launch(StageEntry *self, PyObject *key, int gather, const long long ptrs[5], long long n, long long padded,
-                  long long tokens) {
+static int launch_with(StageEntry *self, PyObject *fire, int gather, const long long *lead, long long extra,
+                       const long long ptrs[5], long long n, long long padded, long long tokens,
+                       const LaunchHooks *hooks);
+
+int mw_entry_launch(StageEntry *self, PyObject *key, int gather, const long long *lead, long long extra,
+                    const long long ptrs[5], long long n, long long padded, long long tokens, const LaunchHooks *hooks) {
     PyObject *fire = PyDict_GetItemWithError(self->fire, key);
     if (fire == NULL || fire == Py_None)
         return PyErr_Occurred() ? -1 : 0;
     Py_INCREF(fire); /* (held for the call: nothing it runs can free it) */
-    int ok = launch_with(self, fire, gather, ptrs, n, padded, tokens);
+    int ok = launch_with(self, fire, gather, lead, extra, ptrs, n, padded, tokens, hooks);
     Py_DECREF(fire);
     return ok;
 }
 
-static int launch_with(StageEntry *self, PyObject *fire, int gather, const long long ptrs[5], long long n,
-                       long long padded, long long tokens) {
+static int launch_with(StageEntry *self, PyObject *fire, int gather, const long long *lead, long long extra,
+                       const long long ptrs[5], long long n, long long padded, long long tokens,
+                       const LaunchHooks *hooks) {
     long long current, dirty = 0;
     PyObject *noargs = NULL;
-    int ok = as_ll(PyObject_Vectorcall(self->get_device, &noargs, 0, NULL), &current);
+    int ok = mw_as_ll(PyObject_Vectorcall(self->get_device, &noargs, 0, NULL), &current);
     if (ok < 0) {
-        raise_failure(self); /* (the Python path's launch asks for the device: its error is the job's) */
+        mw_entry_failure(self); /* (the Python path's launch asks for the device: its error is the job's) */
         return -1;
     }
     if (ok == 0 || current != self->index) /* (another device current: the Python path switches to the tables') */
         return 0;
     if (gather) {
-        if ((ok = as_ll(PyObject_GetAttr(self->owner, s_dirty_rows), &dirty)) <= 0)
+        if ((ok = mw_as_ll(PyObject_GetAttr(self->owner, s_dirty_rows), &dirty)) <= 0)
             return ok;
         if (dirty > padded)
             padded = dirty;
     }
-    /* the arguments: the spec's head (what a lease-less launch passes for the staged batch), then the step's */
-    const Py_ssize_t nhead = PyTuple_GET_SIZE(self->head);
+    /* the arguments: the lead (the staged batch's words; the spec's head: none), then the step's */
+    const Py_ssize_t nhead = lead == NULL ? PyTuple_GET_SIZE(self->head) : LEAD_ARGS;
     const long long items[STEP_ARGS] = {self->groups, ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], n, padded, tokens,
                                         self->splits};
     PyObject *args = PyTuple_New(nhead + STEP_ARGS), *grid0 = NULL, *one = NULL, *stream = NULL, *result = NULL;
     if (args == NULL)
         return -1;
-    for (Py_ssize_t i = 0; i < nhead; i++)
-        PyTuple_SET_ITEM(args, i, Py_NewRef(PyTuple_GET_ITEM(self->head, i)));
-    for (int i = 0; i < STEP_ARGS; i++) {
-        PyObject *item = PyLong_FromLongLong(items[i]);
+    for (Py_ssize_t i = 0; i < nhead + STEP_ARGS; i++) {
+        PyObject *item = i < nhead ? lead == NULL ? Py_NewRef(PyTuple_GET_ITEM(self->head, i))
+                                                  : PyLong_FromLongLong(lead[i])
+                                   : PyLong_FromLongLong(items[i - nhead]);
         if (item == NULL)
             goto fail;
-        PyTuple_SET_ITEM(args, nhead + i, item);
+        PyTuple_SET_ITEM(args, i, item);
     }
-    if ((grid0 = PyLong_FromLongLong(self->groups * (padded + 1) * self->splits)) == NULL ||
+    if ((grid0 = PyLong_FromLongLong(self->groups * (padded + 1) * self->splits + extra)) == NULL ||
         (one = PyLong_FromLong(1)) == NULL)
         goto fail;
     if ((stream = PyObject_CallOneArg(self->get_stream, self->index_obj)) == NULL) {
-        raise_failure(self);
+        mw_entry_failure(self);
         goto fail;
     }
-    ((mw_Countdown *)self->countdown)->left--; /* (the preamble's truth test: false, as preamble_holds found) */
+    ((mw_Countdown *)self->countdown)->left--; /* (the preamble's truth test: false, as mw_entry_preamble found) */
+    if (hooks != NULL && hooks->before(hooks->ctx) < 0) {
+        mw_entry_failure(self);
+        goto fail;
+    }
     PyObject *call[4] = {grid0, one, stream, args};
     result = PyObject_Vectorcall(fire, call, 4, NULL);
     if (result == NULL) {
-        if (gather && !PyErr_ExceptionMatches(PyExc_Exception))
-            set_dirty(self, dirty > n ? dirty : n); /* (an interrupt: the launch may have been issued) */
-        raise_failure(self);
+        const int interrupted = !PyErr_ExceptionMatches(PyExc_Exception);
+        if (hooks != NULL)
+            hooks->after(hooks->ctx, 0);
+        if (gather && interrupted)
+            mw_entry_set_dirty(self, dirty > n ? dirty : n); /* (an interrupt: the launch may have been issued) */
+        mw_entry_failure(self);
         goto fail;
     }
     Py_DECREF(result);
     if (gather)
-        set_dirty(self, n);
-    long long launches; /* (a statistic, as Launcher.launch counts it) */
-    PyObject *count = PyObject_GetAttr(self->launcher, s_launches);
-    if (count == NULL || as_ll(Py_NewRef(count), &launches) <= 0) {
-        Py_XDECREF(count);
-        PyErr_Clear();
-    } else {
-        PyObject *next = PyLong_FromLongLong(launches + 1);
-        if (next == NULL || PyObject_SetAttr(self->launcher, s_launches, next) < 0)
-            PyErr_Clear();
-        Py_XDECREF(next);
-        Py_DECREF(count);
-    }
+        mw_entry_set_dirty(self, n);
+    mw_count_one(self->launcher, mw_s_launches); /* (a statistic, as Launcher.launch counts it) */
+    if (hooks != NULL)
+        hooks->after(hooks->ctx, 1);
     Py_DECREF(args);
     Py_DECREF(grid0);
     Py_DECREF(one);
@@ -275,8 +257,18 @@ fail:
     return -1;
 }
 
-/* views[n] of a cache dict, else view(n) (TablesLayout.gathered / slots): a new reference or NULL. */
-static PyObject *cached_view(PyObject *views, PyObject *layout, PyObject *name, PyObject *n) {
+void mw_count_one(PyObject *obj, PyObject *name) {
+    long long count;
+    if (mw_as_ll(PyObject_GetAttr(obj, name), &count) > 0) {
+        PyObject *next = PyLong_FromLongLong(count + 1);
+        if (next != NULL)
+            PyObject_SetAttr(obj, name, next);
+        Py_XDECREF(next);
+    }
+    PyErr_Clear();
+}
+
+PyObject *mw_cached_view(PyObject *views, PyObject *layout, PyObject *name, PyObject *n) {
     PyObject *view = PyDict_GetItemWithError(views, n);
     if (view != NULL)
         return Py_NewRef(view);
@@ -294,9 +286,9 @@ static PyObject *entry_gather(StageEntry *self, PyObject *const *args, Py_ssize_
     PyObject *idx = args[0], *padded_obj = args[1], *nct = args[2];
     Vector vi, vn = {NULL, 0, self->fallback};
     long long padded;
-    int ok = preamble_holds(self);
+    int ok = mw_entry_preamble(self);
     if (ok > 0)
-        ok = device_vector(self, idx, 0, &vi);
+        ok = mw_entry_vector(self, idx, 0, &vi);
     if (ok > 0 && !(vi.len <= self->max_num_reqs && PyLong_CheckExact(padded_obj)))
         ok = 0;
     if (ok > 0) {
@@ -306,7 +298,7 @@ static PyObject *entry_gather(StageEntry *self, PyObject *const *args, Py_ssize_
         else if (!(vi.len <= padded && padded <= self->max_num_reqs))
             ok = 0;
     }
-    if (ok > 0 && nct != Py_None && (ok = device_vector(self, nct, 0, &vn)) > 0 && vn.len < self->max_num_reqs)
+    if (ok > 0 && nct != Py_None && (ok = mw_entry_vector(self, nct, 0, &vn)) > 0 && vn.len < self->max_num_reqs)
         ok = 0;
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
@@ -317,11 +309,11 @@ static PyObject *entry_gather(StageEntry *self, PyObject *const *args, Py_ssize_
     if (key == NULL)
         return NULL;
     const long long f = self->fallback, ptrs[5] = {vi.ptr, f, f, f, window ? vn.ptr : f};
-    ok = launch(self, key, 1, ptrs, vi.len, padded, 0);
+    ok = mw_entry_launch(self, key, 1, NULL, 0, ptrs, vi.len, padded, 0, NULL);
     Py_DECREF(key);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    return cached_view(self->gathered_views, self->layout, s_gathered, padded_obj);
+    return mw_cached_view(self->gathered_views, self->layout, mw_s_gathered, padded_obj);
 }
 
 /* slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding): slot_mappings[:, :num_tokens_padded]
@@ -333,19 +325,19 @@ static PyObject *entry_slots(StageEntry *self, PyObject *const *args, Py_ssize_t
     PyObject *idx = args[0], *qsl = args[1], *pos = args[2], *tokens_obj = args[3], *pad = args[4];
     Vector vi, vq, vp, vd = {NULL, 0, self->fallback};
     long long tokens;
-    int ok = preamble_holds(self);
+    int ok = mw_entry_preamble(self);
     if (ok > 0)
-        ok = device_vector(self, idx, 0, &vi);
+        ok = mw_entry_vector(self, idx, 0, &vi);
     if (ok > 0 && !(vi.len <= self->max_num_reqs && self->max_num_batched_tokens >= 0 && PyLong_CheckExact(tokens_obj)))
         ok = 0;
-    if (ok > 0 && (ok = device_vector(self, qsl, 0, &vq)) > 0 && (ok = device_vector(self, pos, 0, &vp)) > 0) {
+    if (ok > 0 && (ok = mw_entry_vector(self, qsl, 0, &vq)) > 0 && (ok = mw_entry_vector(self, pos, 0, &vp)) > 0) {
         tokens = PyLong_AsLongLong(tokens_obj);
         if (tokens == -1 && PyErr_Occurred())
             PyErr_Clear(), ok = 0;
         else if (!(vq.len > vi.len && 0 <= tokens && tokens <= self->max_num_batched_tokens))
             ok = 0;
     }
-    if (ok > 0 && pad != Py_None && (ok = device_vector(self, pad, 1, &vd)) > 0 && vd.len < tokens)
+    if (ok > 0 && pad != Py_None && (ok = mw_entry_vector(self, pad, 1, &vd)) > 0 && vd.len < tokens)
         ok = 0;
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
@@ -355,29 +347,29 @@ static PyObject *entry_slots(StageEntry *self, PyObject *const *args, Py_ssize_t
     if (key == NULL)
         return NULL;
     const long long ptrs[5] = {vi.ptr, vq.ptr, vp.ptr, vd.ptr, self->fallback};
-    ok = launch(self, key, 0, ptrs, vi.len, vi.len, vp.len);
+    ok = mw_entry_launch(self, key, 0, NULL, 0, ptrs, vi.len, vi.len, vp.len, NULL);
     Py_DECREF(key);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    return cached_view(self->slot_views, self->layout, s_slots, tokens_obj);
+    return mw_cached_view(self->slot_views, self->layout, mw_s_slots, tokens_obj);
 }
 
 /* An int attribute of the spec into *out: 0, or -1 with an error set. */
 static int spec_ll(PyObject *spec, const char *name, long long *out) {
-    int ok = as_ll(PyObject_GetAttrString(spec, name), out);
+    int ok = mw_as_ll(PyObject_GetAttrString(spec, name), out);
     if (ok == 0)
         PyErr_Format(PyExc_TypeError, "StageEntry: spec.%s must be an int", name);
     return ok > 0 ? 0 : -1;
 }
 
 /* The fields a StageEntry holds references to, in its struct's order from `owner` (entry_refs lists them too). */
-#define ENTRY_REFS 22
+#define ENTRY_REFS (22 + STAGED_REFS)
 
 static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"owner", "countdown", "storage", "guard", "outputs", "outputs_guard", "failure",
                                "spec", NULL};
     PyObject *given[8], *spec;
-    if (intern_names() < 0 ||
+    if (mw_entry_names() < 0 ||
         !PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOO:StageEntry", keywords, &given[0], &mw_CountdownType,
                                      &given[1], &given[2], &given[3], &given[4], &given[5], &given[6], &spec))
         return -1;
@@ -418,6 +410,9 @@ static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
     }
     if (ok == 0 && (got[21] = PyLong_FromLongLong(index)) == NULL)
         ok = -1;
+    long long staged[5] = {0};
+    if (ok == 0)
+        ok = mw_entry_read_staged(spec, got + 22, staged);
     if (ok < 0) {
         for (int i = 0; i < ENTRY_REFS; i++)
             Py_XDECREF(got[i]);
@@ -427,7 +422,8 @@ static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
         &self->owner, &self->countdown, &self->storage, &self->guard, &self->outputs, &self->outputs_guard,
         &self->failure, &self->launcher, &self->get_device, &self->get_stream, &self->layout, &self->tensor_type,
         &self->int32, &self->int64, &self->boolean, &self->cp_size, &self->cp_interleave, &self->head, &self->fire,
-        &self->gathered_views, &self->slot_views, &self->index_obj};
+        &self->gathered_views, &self->slot_views, &self->index_obj, &self->arena, &self->ring, &self->ring_leases,
+        &self->ring_succ, &self->ring_counters, &self->keep, &self->resolve, &self->is_capturing};
     for (int i = 0; i < ENTRY_REFS; i++)
         Py_XSETREF(*fields[i], got[i]);
     self->index = index;
@@ -437,6 +433,8 @@ static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
     self->splits = splits;
     self->fallback = fallback;
     self->window = window;
+    self->apply_w = staged[0], self->apply_l = staged[1], self->preloaded = staged[2], self->max_splits = staged[3];
+    self->max_programs = staged[4];
     return 0;
 }
 
@@ -448,7 +446,10 @@ static const Py_ssize_t entry_refs[] = {
     offsetof(StageEntry, layout),     offsetof(StageEntry, gathered_views), offsetof(StageEntry, slot_views),
     offsetof(StageEntry, tensor_type), offsetof(StageEntry, int32),         offsetof(StageEntry, int64),
     offsetof(StageEntry, boolean),    offsetof(StageEntry, cp_size),        offsetof(StageEntry, cp_interleave),
-    offsetof(StageEntry, head),       -1};
+    offsetof(StageEntry, head),       offsetof(StageEntry, arena),          offsetof(StageEntry, ring),
+    offsetof(StageEntry, ring_leases), offsetof(StageEntry, ring_succ),     offsetof(StageEntry, ring_counters),
+    offsetof(StageEntry, keep),       offsetof(StageEntry, resolve),        offsetof(StageEntry, is_capturing),
+    -1};
 
 MW_GC_FUNCS(entry, StageEntry)
 
@@ -465,6 +466,10 @@ static PyObject *entry_slots_call(StageEntry *self, PyObject *const *args, Py_ss
     return self->fire == NULL ? entry_refuse_uninitialized(self) : entry_slots(self, args, nargs);
 }
 
+static PyObject *entry_prepare_call(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
+    return self->fire == NULL ? entry_refuse_uninitialized(self) : mw_entry_prepare(self, args, nargs);
+}
+
 static PyMemberDef entry_members[] = {
     {"owner", T_OBJECT, offsetof(StageEntry, owner), READONLY, "the mode whose dirty_rows the gathers move"},
     {"launcher", T_OBJECT, offsetof(StageEntry, launcher), READONLY, "the stage kernel's Launcher"},
@@ -475,6 +480,9 @@ static PyMethodDef entry_methods[] = {
     {"gather", (PyCFunction)(void (*)(void))entry_gather_call, METH_FASTCALL,
      "gather(idx_mapping, num_reqs_padded, num_computed_tokens): the gathered views (launched), or None (nothing "
      "done: the Python path runs)."},
+    {"prepare", (PyCFunction)(void (*)(void))entry_prepare_call, METH_FASTCALL,
+     "prepare(idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding,\n"
+     "num_computed_tokens): (gathered views, slot-mapping view) with the staged batch applied (launched), or None."},
     {"slots", (PyCFunction)(void (*)(void))entry_slots_call, METH_FASTCALL,
      "slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding): the slot-mapping view "
      "(launched), or None (nothing done: the Python path runs)."},

@@ -458,6 +458,12 @@ class BlockTables(BlockIdStaging):
         Raises:
             StageInputError, GraphCaptureError, and the errors of `apply_staged_writes`.
         """
+        entry = self._mode.entry
+        if entry is not None:
+            got = entry.prepare(idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded,
+                                is_padding, num_computed_tokens)  # fmt: skip
+            if got is not None:
+                return got
         step = self._mode.stage_call("prepare_inputs", True, True, None, None, idx_mapping, num_reqs_padded,
                                      query_start_loc, positions, num_tokens_padded, is_padding,
                                      num_computed_tokens)  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 
 import numpy as np
 import pytest
@@ -22,108 +21,9 @@ from multiwrite.backends.triton.launcher import Launcher
 from multiwrite.backends.triton.plan import TritonPlan
 from multiwrite.reference import gather_block_tables_reference
 from multiwrite.staging.fields import _cstaging
+from tests.support.stage_entry import GROUPS, I32, I64, engine_steps, entry_tables, stage_rows
 
 pytestmark = pytest.mark.skipif(_cstaging is None, reason="the compiled staging helper is not built")
-
-CPU = torch.device("cpu")
-I32, I64 = torch.int32, torch.int64
-
-
-class StandInLauncher:
-    """What the entry reads of a `Launcher` (`fire`, `launches`), its fast launchers recording `(key, grid0, grid1,
-    args)` and running each launch through `plan`'s real launcher (interpreted)."""
-
-    def __init__(self, plan: TritonPlan, fails: BaseException | None = None):
-        self.launches = 0
-        self.calls: list[tuple] = []
-        self.fails = fails
-        real = plan.device.stage_launcher
-        self.fire = {}
-        for key in _all_keys(plan):
-            self.fire[key] = self._fire(real, key, plan.constexprs(key))
-
-    def _fire(self, real: Launcher, key: tuple, consts: dict):
-        def fire(grid0, grid1, stream, args):
-            assert stream == 0
-            if self.fails is not None:
-                raise self.fails
-            self.calls.append((key, grid0, grid1, args))
-            real.launch(key, consts, grid0, grid1, args)
-
-        return fire
-
-
-def _all_keys(plan: TritonPlan) -> list[tuple]:
-    cp = (plan.layout.cp_size, plan.layout.cp_interleave)
-    out = []
-    for idx, qsl, pos, pad, gather, slots, nct, window in itertools.product(
-        (I32, I64), (I32, I64), (I32, I64), (False, True), (False, True), (False, True), (I32, I64), (False, True)
-    ):
-        out.append((idx, qsl, pos, pad, gather, slots, False, False, *cp, nct, window))
-    return out
-
-
-def entry_tables(monkeypatch, *args, fails: BaseException | None = None, **kwargs):
-    """`BlockTables(*args, **kwargs)` on triton-cuda (interpreted) whose eager mode builds the compiled entry over a
-    `StandInLauncher` (device -1: the CPU tensors' `get_device()`); returns (tables, stand-in).
-
-    A kernel on a GPU leaves torch's version counters alone; the interpreter writes its outputs through torch ops,
-    which move them, so that the preamble would find every table "written since" and send each next call to the
-    Python path: after each launch of these tables the guards are given the counters as a GPU launch leaves them."""
-    made = []
-
-    def spec(plan):
-        stand_in = StandInLauncher(plan, fails)
-        made.append(stand_in)
-        return dataclasses.replace(plan.launch_spec(), launcher=stand_in, device_index=-1, get_device=lambda: -1)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(TritonPlan, "stage_launch_spec", spec)
-        bt = BlockTables(*args, backend=TritonCudaBackend(), **kwargs)
-    assert bt._mode.entry is not None
-    guards = (bt._mode.guard, bt._mode.outputs_guard)
-    launch = Launcher.launch
-
-    def launch_as_on_a_gpu(self, *a, **kw):
-        out = launch(self, *a, **kw)
-        for guard in guards:
-            guard.version = guard.base._version
-        return out
-
-    monkeypatch.setattr(Launcher, "launch", launch_as_on_a_gpu)
-    return bt, made[0]
-
-
-GROUPS = dict(block_sizes=[16, 32, 16], max_num_reqs=6, max_num_blocks_per_group=[8, 4, 8], device=CPU,
-              kernel_block_sizes=[16, 16, 8], max_num_batched_tokens=32, sliding_window_reach=[0, 0, 40])  # fmt: skip
-
-
-def _stage_rows(bt: BlockTables, rng: np.random.Generator) -> None:
-    for r in range(bt.max_num_reqs):
-        # (full rows: every position of a step maps to a block)
-        ids = [list(rng.integers(1, 1000, size=w)) for w in GROUPS["max_num_blocks_per_group"]]
-        bt.append_block_ids(r, ids, True)
-    bt.apply_staged_writes()
-
-
-def _steps(rng: np.random.Generator, n: int):
-    """Random engine-shaped steps: (idx, padded, nct, qsl, pos, tokens, pad), dtypes drawn per tensor."""
-    for _ in range(n):
-        reqs = int(rng.integers(0, 6))
-        dt = [I32 if rng.random() < 0.5 else I64 for _ in range(4)]
-        rows = rng.choice(6, size=reqs, replace=False)
-        if reqs and rng.random() < 0.3:
-            rows[0] = -1
-        idx = torch.tensor(rows.tolist(), dtype=dt[0])  # (from a list: an empty one has stride (1,), as the entry asks)
-        padded = int(rng.integers(reqs, 7))
-        nct = torch.tensor(rng.integers(0, 100, size=6).tolist(), dtype=dt[1]) if rng.random() < 0.5 else None
-        lens = rng.integers(0, 4, size=reqs)
-        qsl = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=dt[2])
-        pos = torch.tensor(rng.integers(0, 64, size=int(lens.sum())).tolist(), dtype=dt[3])
-        tokens = int(lens.sum()) + int(rng.integers(0, 3))
-        pad = torch.tensor((rng.random(tokens) < 0.2).tolist(), dtype=torch.bool) if rng.random() < 0.3 else None
-        yield idx, padded, nct, qsl, pos, tokens, pad
-
 
 def _run(call: str, step: tuple, tables: BlockTables) -> tuple[torch.Tensor, ...]:
     idx, padded, nct, qsl, pos, tokens, pad = step
@@ -140,8 +40,8 @@ def test_the_entry_launches_what_the_python_path_launches_for_every_step(monkeyp
     twin = BlockTables(backend=TritonCudaBackend(), **GROUPS)
     assert twin._mode.entry is None  # (no GPU: the Triton plan has no launch spec)
     rng = np.random.default_rng(7)
-    _stage_rows(bt, np.random.default_rng(1))
-    _stage_rows(twin, np.random.default_rng(1))
+    stage_rows(bt, np.random.default_rng(1))
+    stage_rows(twin, np.random.default_rng(1))
     python_path: list[tuple] = []
     original = Launcher.launch
 
@@ -151,7 +51,7 @@ def test_the_entry_launches_what_the_python_path_launches_for_every_step(monkeyp
 
     monkeypatch.setattr(Launcher, "launch", recording)
     bound = dict(stand_in.fire)
-    for idx, padded, nct, qsl, pos, tokens, pad in _steps(rng, 40):
+    for idx, padded, nct, qsl, pos, tokens, pad in engine_steps(rng, 40):
         for call in ("gather", "slots"):
             step = (idx, padded, nct, qsl, pos, tokens, pad)
             run = functools.partial(_run, call, step)
@@ -175,7 +75,7 @@ def test_the_entry_launches_what_the_python_path_launches_for_every_step(monkeyp
 @pytest.fixture
 def tables(monkeypatch):
     bt, stand_in = entry_tables(monkeypatch, **GROUPS)
-    _stage_rows(bt, np.random.default_rng(3))
+    stage_rows(bt, np.random.default_rng(3))
     return bt, stand_in
 
 

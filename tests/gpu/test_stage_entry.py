@@ -1,8 +1,8 @@
 """The compiled stage entry on a real GPU (`multiwrite.stage.entry`): an engine's eager gather and slot-mapping calls
-(device inputs, nothing applied) are taken by the entry, not the Python path, and give what a twin whose every call
-takes the Python path gives (`check_addresses=True`: the address check is due at every call, so the entry never
-takes one): on the current stream, on a side stream behind a busy one, and captured into a CUDA graph replayed with
-new inputs."""
+(device inputs, nothing applied) and its `prepare_inputs` with staged writes are taken by the entry, not the Python
+path, and give what a twin whose every call takes the Python path gives (`check_addresses=True`: the address check is
+due at every call, so the entry never takes one): on the current stream, on a side stream behind a busy one, and
+captured into a CUDA graph replayed with new inputs."""
 
 from __future__ import annotations
 
@@ -125,3 +125,77 @@ def test_host_inputs_are_the_python_paths_and_match(device, place):
         torch.cuda.synchronize(device)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), (place, i)
+
+
+def _stage_step(rng, tables: list[BlockTables]) -> None:
+    """The same random overwrites and appends into each of `tables` (no row written twice: no overlapping writes)."""
+    for r in rng.choice(REQS, size=int(rng.integers(0, 12)), replace=False).tolist():
+        counts = tables[0].num_blocks[:, r] // np.array([b // k for b, k in zip(BLOCK_SIZES, KERNEL_BLOCK_SIZES)])
+        overwrite = rng.random() < 0.3
+        sizes = [int(rng.integers(1, w + 1)) if overwrite else int(rng.integers(0, w - c + 1))
+                 for w, c in zip(WIDTHS, counts.tolist())]  # fmt: skip
+        ids = [rng.integers(1, 10_000, size=n).tolist() for n in sizes]
+        for bt in tables:
+            bt.append_block_ids(r, ids, overwrite)
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["current stream", "side stream behind a busy one"])
+def test_an_engines_prepare_inputs_with_staged_writes_is_the_entrys_and_matches(device, monkeypatch, side_stream):
+    """200 steps of staged writes and `prepare_inputs` (the ring's slots reused many times over, a gather between
+    steps): ours through the entry (its Python path, `TritonPlan.prepare`, only where its address check is due), the
+    twin through the Python path; the same outputs and tables after every step."""
+    from multiwrite.backends.triton.plan import TritonPlan
+
+    ours, twin = _pair(device)
+    python_path = []
+    original = TritonPlan.prepare
+    monkeypatch.setattr(TritonPlan, "prepare", lambda self, step: python_path.append(self is ours._mode.plan)
+                        or original(self, step))  # fmt: skip
+    rng = np.random.default_rng(17)
+    stream = torch.cuda.Stream(device) if side_stream else torch.cuda.current_stream(device)
+    for i in range(200):
+        _stage_step(rng, [ours, twin])
+        idx, qsl, pos, nct, padded, tokens = _step(rng, device, torch.int32 if i % 3 else torch.int64)
+        with torch.cuda.stream(stream):
+            if side_stream and i % 4 == 0:
+                busy(0.002)
+            got = ours.prepare_inputs(idx, qsl, pos, padded, tokens, num_computed_tokens=nct)
+            want = twin.prepare_inputs(idx, qsl, pos, padded, tokens, num_computed_tokens=nct)
+            got, want = [*got[0], got[1]], [*want[0], want[1]]
+            if i % 5 == 0:
+                got.append(ours.gather_block_tables(idx, padded)[0].clone())
+                want.append(twin.gather_block_tables(idx, padded)[0].clone())
+        stream.synchronize()
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), i
+        for a, b in zip(ours.block_tables, twin.block_tables, strict=True):
+            assert torch.equal(a.tensor, b.tensor), i
+        assert torch.equal(ours.num_blocks_device, twin.num_blocks_device), i
+    # (ours on the Python path: the first call of each of its 2 variants with writes, which binds its fast launcher,
+    # and the calls at which its address check is due, gathers included)
+    assert sum(python_path) <= 2 + 240 // 63 + 1, sum(python_path)
+    assert python_path.count(False) >= 150  # (the twin's: every step with something staged)
+
+
+def test_prepare_inputs_during_a_capture_is_refused_with_nothing_applied(device):
+    """Eager tables: a `prepare_inputs` being captured is refused (the entry leaves it to the Python path, which
+    raises), the staged writes stay staged and apply at the next call outside the capture."""
+    from multiwrite import GraphCaptureError
+
+    ours, twin = _pair(device)
+    rng = np.random.default_rng(4)
+    _stage_step(rng, [ours, twin])
+    while not ours.num_staged_writes:
+        _stage_step(rng, [ours, twin])
+    idx, qsl, pos, nct, padded, tokens = _step(rng, device, torch.int32)
+    staged = ours.num_staged_writes
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(GraphCaptureError, match="prepare_inputs"):
+        with torch.cuda.graph(graph):
+            ours.prepare_inputs(idx, qsl, pos, padded, tokens)
+    assert ours.num_staged_writes == staged
+    got = ours.prepare_inputs(idx, qsl, pos, padded, tokens)
+    want = twin.prepare_inputs(idx, qsl, pos, padded, tokens)
+    torch.cuda.synchronize(device)
+    for a, b in zip([*got[0], got[1]], [*want[0], want[1]], strict=True):
+        assert torch.equal(a, b)
