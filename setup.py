@@ -10,7 +10,7 @@ setup(
     ext_modules=[
         Extension(
             "multiwrite.staging._cstaging",
-            # One module from eight files (multiwrite/staging/_cstaging.h says what holds what).
+            # One module from nine files (multiwrite/staging/_cstaging.h says what holds what).
             [
                 "multiwrite/staging/_cstaging.c",
                 "multiwrite/staging/_cstaging_arena.c",
@@ -20,8 +20,9 @@ setup(
                 "multiwrite/staging/_cstaging_launch.c",
                 "multiwrite/staging/_cstaging_stage.c",
                 "multiwrite/staging/_cstaging_prepare.c",
+                "multiwrite/staging/_cstaging_entry.c",
             ],
-            depends=["multiwrite/staging/_cstaging.h", "multiwrite/staging/_cstaging_stage.h"],
+            depends=["multiwrite/staging/_cstaging.h", "multiwrite/staging/_cstaging_entry.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter"],
         )

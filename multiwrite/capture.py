@@ -35,10 +35,8 @@ from multiwrite.errors import ForkedCudaError, GraphCaptureError
 # torch's C functions themselves (no Python frame per call). CPU-only builds of torch lack or stub them; they are
 # only called for CUDA tables, which such builds cannot have.
 _is_capturing: Callable[[], bool] = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
-#: Whether the current CUDA stream (of the current device) is capturing a CUDA graph: torch's C function itself
-#: (always False where torch is built without CUDA, whose stand-in of that function raises).
-current_stream_capturing: Callable[[], bool] = _is_capturing if torch.backends.cuda.is_built() else lambda: False
 _get_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", lambda: 0)
+_CUDA_BUILT = torch.backends.cuda.is_built()  # (else torch's stand-in of `_is_capturing` raises)
 
 _HOST, _UNSEEN = object(), object()
 #: device -> its CUDA index (None: the current device), or _HOST for a device that is not CUDA (never captured)
@@ -81,6 +79,13 @@ def refuse_capture(device: torch.device, what: str) -> None:
         with torch.cuda.device(index):  # type: ignore[arg-type]
             if _is_capturing():
                 _raise(device, what)
+
+
+def current_stream_capturing() -> bool:
+    """Whether the current CUDA stream (of the current device) is capturing a CUDA graph: torch's test, read through
+    this module at each call (in a child forked after CUDA was initialized it raises `ForkedCudaError`, as every
+    capture test here does); False where torch is built without CUDA."""
+    return _is_capturing() if _CUDA_BUILT else False
 
 
 def is_capturing(device: torch.device) -> bool:

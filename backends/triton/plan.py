@@ -15,6 +15,7 @@ import torch
 import triton.language as tl
 
 from multiwrite.backends.triton.device import Descriptors, TritonDevice, descriptor_rows
+from multiwrite.backends.triton.kernels import apply as apply_kernel
 from multiwrite.backends.triton.kernels import stage
 from multiwrite.backends.triton.launcher import get_device, get_stream
 from multiwrite.capture import current_stream_capturing, settle
@@ -194,8 +195,11 @@ class TritonPlan(GraphPlan):
         layout = self.layout
         mnbt = layout.max_num_batched_tokens
         device, arena = self.device, self.arena
+        p = device.params
+        apply_sizes = (apply_kernel.PRELOADED_VALUES.value, p.decode_block_w, p.block_w, p.block_l, p.max_splits)
         staged = StagedLaunchSpec(arena, arena.lender, self.desc, device.resolve, current_stream_capturing, APPLY_W,
-                                  APPLY_L, PRELOADED, MAX_APPLY_SPLITS, device.max_programs)  # fmt: skip
+                                  APPLY_L, PRELOADED, MAX_APPLY_SPLITS, device.max_programs, device.apply_launcher,
+                                  np.dtype(np.int32).char, apply_sizes)  # fmt: skip
         return StageLaunchSpec(
             device.stage_launcher, device.index, get_device, get_stream, layout, layout.max_num_reqs,
             -1 if mnbt is None else mnbt, self._groups, self.splits, self._no_batch, self._fallback, *self._cp,

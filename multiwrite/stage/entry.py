@@ -1,15 +1,16 @@
 """The compiled entry of an eager stage call: `StageLaunchSpec`, what a plan fixes of its stage kernel's launch (with
 `StagedLaunchSpec`, its launch on the staged batch), and `stage_entry`, which builds `_cstaging.StageEntry` from it.
 
-An eager `BlockTables.gather_block_tables` or `compute_slot_mappings` that applies nothing, or a `prepare_inputs`,
-called as an engine calls it on a GPU (its inputs contiguous device tensors, no `out`), is checked and launched by that
-one C call: the preconditions of the common case (the mode's preamble: the address check not due, no table or output
-resized; the inputs as `StepInputs.on_device` accepts them; the kernel variant bound to a fast launcher; the current
-device the tables'; for `prepare_inputs` also no capture under way, no overlapping writes staged and the ring's next
-slot free), then the launch `TritonPlan._stage` makes for that step (on the staged batch: inside the sequence of
-`StagingArena.land_after`, `TritonDevice.launch_on` and `SlotRing.hand_over`). Where any of them fails it does nothing
-and returns None, and the call takes its one Python path (`TablesMode.stage_call`), which checks in full and names
-what is wrong.
+An eager `BlockTables.gather_block_tables` or `compute_slot_mappings` that applies nothing, a `prepare_inputs` or an
+`apply_staged_writes`, called as an engine calls it on a GPU (its inputs contiguous device tensors, no `out`), is
+checked and launched by that one C call: the preconditions of the common case (the mode's preamble: the address check
+not due, no table or output resized; the inputs as `StepInputs.on_device` accepts them; the kernel variant bound to a
+fast launcher; the current device the tables'; for a call that applies also no capture under way, no overlapping
+writes staged and the ring's next slot free), then the launch the plan makes for it (`TritonPlan._stage`,
+`TritonDevice.launch_apply`; on the staged batch inside the sequence of `StagingArena.land_after`,
+`TritonDevice.launch_on` and `SlotRing.hand_over`). Where any of them fails it does nothing and returns None, and the
+call takes its one Python path (`TablesMode.stage_call`, `EagerMode.apply`), which checks in full and names what is
+wrong.
 docs/lifecycle.md#the-stage-entry says why it exists (the Python around a launch was two thirds of the call).
 """
 
@@ -26,16 +27,22 @@ from multiwrite.staging.fields import _cstaging
 
 @dataclass(frozen=True)
 class StagedLaunchSpec:
-    """What a plan fixes of its stage kernel's launch on the staged batch (`prepare`; `TritonPlan.launch_spec`).
+    """What a plan fixes of its launches on the staged batch: the stage kernel's with it (`prepare`) and the apply
+    kernel's (`apply`) (`TritonPlan.launch_spec`).
 
     Attributes:
         arena: the tables' `StagingArena` (staged into a slot of `ring`; it lands on the ring's next slot).
-        ring: the arena's `SlotRing` (`leases`, `succ`, `counter_addrs` and `next`, as `SlotRing.acquire` and
-            `hand_over` move them).
+        ring: the arena's `SlotRing`: its `next`, read and moved as `SlotRing.acquire`, `release` and `hand_over`
+            move it, and its lists `leases`, `succ` and `counter_addrs`, taken once (the ring changes them in place,
+            never replaces them).
         keep: what each launch on a slot keeps alive until the slot is released (the apply's descriptors).
         resolve: `resolve(lease, token)` after an interrupt around a launch (`TritonDevice.resolve`).
         is_capturing: whether the current CUDA stream is capturing (a C function of torch).
         apply_w, apply_l, preloaded, max_splits, max_programs: the apply programs' tiling (`TritonPlan._stage`).
+        apply_launcher: the apply kernel's `Launcher` (`apply`: its variants `(values_char, decode)`).
+        values_char: the numpy dtype char of the staged values.
+        apply_sizes: the apply kernel's (values it preloads, decode tile writes, tile writes, tile cells, column splits
+            at most), as `TritonDevice.launch_apply` tiles a batch.
     """
 
     arena: Any
@@ -48,6 +55,9 @@ class StagedLaunchSpec:
     preloaded: int
     max_splits: int
     max_programs: int
+    apply_launcher: Any
+    values_char: str
+    apply_sizes: tuple[int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,9 @@ class StageEntry(Protocol):
                 num_computed_tokens: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor] | None:  # fmt: skip
         """`prepare_inputs`' (gathered views, slot-mapping view), the staged batch applied in the same launch, or
         None."""
+
+    def apply(self) -> bool | None:
+        """True once the staged batch is launched (`apply_staged_writes`' common case: one launch), or None."""
 
 
 def stage_entry(owner: Any, countdown: Any, guard: Any, outputs: Any, failure: Callable[[Exception], Exception],

@@ -23,16 +23,17 @@
  *   address check of a BlockTables' preamble (multiwrite/tables/mode.py) at the cost of one C call of nb_bool.
  * - FastLaunch: a compiled Triton kernel's launch as one call (multiwrite/backends/triton/launcher.py).
  * - StageEntry: an eager gather, slot-mapping or prepare_inputs call, checked and launched in one call (or None: the
- *   Python path runs it; multiwrite/stage/entry.py); prepare_inputs applies the staged batch in that launch.
+ *   Python path runs it; multiwrite/stage/entry.py); prepare_inputs applies the staged batch in that launch, and
+ *   apply_staged_writes is one launch of the apply kernel.
  *
  * Its source is split by type: this file holds the module itself (its functions bind_clock, set_fallbacks and
  * scatter_writes, the small type Countdown, PyInit) and the module's globals (the staging clock, the Python twin's
  * fallbacks); _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging,
  * _cstaging_headers.c HeaderRingFields, _cstaging_vllm.c VllmStaging, _cstaging_launch.c FastLaunch,
- * _cstaging_stage.c StageEntry (_cstaging_prepare.c its prepare, _cstaging_stage.h what both share); _cstaging.h
- * what they share (the structs of more than one file, the header ring's
- * layout, the type objects and what they share, the globals and the arena's shared steps, all named mw_* and hidden
- * outside the extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
+ * _cstaging_entry.c StageEntry (_cstaging_stage.c its gather and slots, _cstaging_prepare.c its prepare and apply,
+ * _cstaging_entry.h what the three share); _cstaging.h what they share (the structs of more than one file, the
+ * header ring's layout, the type objects and what they share, the globals and the arena's shared steps, all named mw_*
+ * and hidden outside the extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
  * mw_clear_refs, mw_gc_dealloc) and the TypeError of a call whose arguments do not bind (mw_usage_error).
  */
 #include "_cstaging.h"
@@ -57,6 +58,16 @@ void mw_gc_dealloc(PyObject *self, inquiry clear) {
     clear(self);
     Py_TYPE(self)->tp_free(self);
 }
+
+void mw_count_one(PyObject *obj, PyObject *name) {
+    PyObject *count = PyObject_GetAttr(obj, name), *next = NULL;
+    if (count != NULL && PyLong_CheckExact(count) && (next = PyLong_FromLongLong(PyLong_AsLongLong(count) + 1)))
+        PyObject_SetAttr(obj, name, next);
+    Py_XDECREF(count);
+    Py_XDECREF(next);
+    PyErr_Clear();
+}
+
 
 PyObject *mw_usage_error(const char *usage) {
     PyErr_SetString(PyExc_TypeError, usage);

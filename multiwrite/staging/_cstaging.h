@@ -68,6 +68,8 @@ MW_INTERNAL void mw_clear_refs(PyObject *self, const Py_ssize_t *refs);
 MW_INTERNAL void mw_gc_dealloc(PyObject *self, inquiry clear);
 /* A call whose arguments do not bind: TypeError(`usage`), the call's signature and what it takes; returns NULL. */
 MW_INTERNAL PyObject *mw_usage_error(const char *usage);
+/* obj.<name> += 1, a statistic: errors are cleared. */
+MW_INTERNAL void mw_count_one(PyObject *obj, PyObject *name);
 
 /* ---- the staging clock and the Python twin (defined in _cstaging.c) ------------------------------------- */
 

@@ -14,7 +14,7 @@
  * interrupt is resolved by the device (resolve(lease, token): the batch landed exactly when its kernel ran). With
  * nothing staged it is the lease-less launch of gather and slots together.
  */
-#include "_cstaging_stage.h"
+#include "_cstaging_entry.h"
 
 static PyObject *s_keep, *s_lender, *s_next;
 
@@ -24,6 +24,8 @@ typedef struct {
     LeaseFields *lease; /* the arena's: the batch's memory */
     PyObject *nxt;      /* the lease the arena lands on (held) */
     Py_ssize_t next;    /* ring.next once landed */
+    Py_ssize_t back;    /* ring.next when nothing lands: nxt's slot where the arena's own was passed by
+                         * (SlotRing.release steps back once, over the second acquire), else -1 (unchanged) */
     long long token, launches;
 } Handover;
 
@@ -58,7 +60,7 @@ static void land(Handover *h) {
 }
 
 /* After the fire call: launched, count it and land; raised, what launch_on and land_after do with it. */
-static void after(void *ctx, int launched) {
+static void after_fire(void *ctx, int launched) {
     Handover *h = ctx;
     StageEntry *self = h->self;
     if (launched) {
@@ -66,41 +68,45 @@ static void after(void *ctx, int launched) {
         land(h);
         return;
     }
-    if (PyErr_ExceptionMatches(PyExc_Exception)) { /* (nothing was launched: the slot is free, the writes staged) */
-        *(volatile int32_t *)h->lease->done_addr = (int32_t)h->token;
-        return;
-    }
-    PyObject *type, *value, *tb; /* an interrupt: the device decides whether the kernel ran */
+    PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
-    PyObject *call[2] = {(PyObject *)h->lease, NULL}, *result = NULL;
-    if ((call[1] = PyLong_FromLongLong(h->token)) != NULL)
-        result = PyObject_Vectorcall(self->resolve, call, 2, NULL);
-    Py_XDECREF(call[1]);
     long long launches = h->launches;
-    PyObject *count = PyObject_GetAttr((PyObject *)h->lease, mw_s_launches);
-    if (count != NULL && mw_as_ll(Py_NewRef(count), &launches) <= 0)
-        launches = h->launches;
-    Py_XDECREF(count);
-    if (result == NULL) { /* (resolve's own error, a later interrupt, propagates: the first is its context) */
-        PyObject *t2, *v2, *tb2;
-        PyErr_Fetch(&t2, &v2, &tb2);
-        PyErr_NormalizeException(&t2, &v2, &tb2);
-        if (v2 != NULL && value != NULL)
-            PyException_SetContext(v2, Py_NewRef(value));
-        Py_XDECREF(type), Py_XDECREF(value), Py_XDECREF(tb);
-        type = t2, value = v2, tb = tb2;
+    if (PyErr_GivenExceptionMatches(type, PyExc_Exception)) { /* (nothing launched: the slot is free again) */
+        *(volatile int32_t *)h->lease->done_addr = (int32_t)h->token;
+    } else { /* an interrupt: the device decides whether the kernel ran */
+        PyObject *call[2] = {(PyObject *)h->lease, NULL}, *result = NULL;
+        if ((call[1] = PyLong_FromLongLong(h->token)) != NULL)
+            result = PyObject_Vectorcall(self->resolve, call, 2, NULL);
+        Py_XDECREF(call[1]);
+        if (result == NULL) { /* (resolve's own error, a later interrupt, propagates: the first is its context) */
+            PyObject *t2, *v2, *tb2;
+            PyErr_Fetch(&t2, &v2, &tb2);
+            PyErr_NormalizeException(&t2, &v2, &tb2);
+            if (v2 != NULL && value != NULL)
+                PyException_SetContext(v2, Py_NewRef(value));
+            Py_XDECREF(type), Py_XDECREF(value), Py_XDECREF(tb);
+            type = t2, value = v2, tb = tb2;
+        }
+        Py_XDECREF(result);
+        if (mw_as_ll(PyObject_GetAttr((PyObject *)h->lease, mw_s_launches), &launches) <= 0)
+            launches = h->launches;
+        PyErr_Clear();
     }
-    Py_XDECREF(result);
-    PyErr_Clear();
-    if (launches != h->launches)
+    if (launches != h->launches) {
         land(h);
+    } else if (h->back >= 0) { /* (land_after's release of the next lease) */
+        PyObject *back = PyLong_FromSsize_t(h->back);
+        if (back == NULL || PyObject_SetAttr(self->ring, s_next, back) < 0)
+            PyErr_WriteUnraisable(self->ring);
+        Py_XDECREF(back);
+    }
     PyErr_Restore(type, value, tb);
 }
 
 static const LaunchHooks *hooks_of(Handover *h, LaunchHooks *hooks) {
     hooks->before = hand_over;
-    hooks->after = after;
+    hooks->after = after_fire;
     hooks->ctx = h;
     return hooks;
 }
@@ -122,7 +128,7 @@ static int next_lease(StageEntry *self, Handover *h) {
             return ok;
         const int own = lease == (PyObject *)h->lease || ((LeaseFields *)lease)->slot == h->lease->slot;
         if (pass == 1 || !own) {
-            h->nxt = lease, h->next = succ;
+            h->nxt = lease, h->next = succ, h->back = pass == 1 ? i : -1;
             return 1;
         }
         i = succ;
@@ -130,16 +136,31 @@ static int next_lease(StageEntry *self, Handover *h) {
     return ok;
 }
 
-/* The lead of the launch on the staged batch (TritonPlan._stage with a lease): 1, 0 (not taken), -1 (error). */
-static int staged_lead(StageEntry *self, Handover *h, long long w, long long v, long long lead[12], long long *extra) {
-    PyObject *lender = PyObject_GetAttr((PyObject *)h->lease, s_lender);
+/* The arena's lease h->lease (with a staged batch, no overlapping writes) as a launch reads it: a slot of the ring,
+ * the next lease free (into h), the slot's counter address (*counter) and next token (h->token). 1, 0, -1. */
+static int staged_slot(StageEntry *self, Handover *h, long long *counter) {
+    ArenaFields *arena = (ArenaFields *)self->arena;
+    if (!arena->num_writes || arena->may_overlap || !PyObject_TypeCheck(arena->lease, &mw_LeaseFieldsType))
+        return 0; /* (overlapping writes: the Python path orders them into rounds) */
+    h->lease = (LeaseFields *)arena->lease;
+    PyObject *lender = PyObject_GetAttr(arena->lease, s_lender);
     if (lender == NULL)
         return -1;
     Py_DECREF(lender);
-    long long counter, sdesc, slot = h->lease->slot;
+    long long slot = h->lease->slot;
     if (lender != self->ring || !(0 <= slot && slot < PyList_GET_SIZE(self->ring_counters)) || !h->lease->done_addr)
         return 0;
-    int ok = mw_as_ll(Py_NewRef(PyList_GET_ITEM(self->ring_counters, slot)), &counter);
+    int ok = mw_as_ll(PyObject_GetAttr(arena->lease, mw_s_launches), &h->launches);
+    if (ok > 0 && (ok = next_lease(self, h)) > 0)
+        ok = mw_as_ll(Py_NewRef(PyList_GET_ITEM(self->ring_counters, slot)), counter);
+    h->token = h->lease->token % 0x7FFFFFFF + 1;
+    return ok;
+}
+
+/* The lead of the launch on the staged batch (TritonPlan._stage with a lease): 1, 0 (not taken), -1 (error). */
+static int staged_lead(StageEntry *self, Handover *h, long long w, long long v, long long lead[12], long long *extra) {
+    long long counter, sdesc;
+    int ok = staged_slot(self, h, &counter);
     if (ok > 0)
         ok = mw_as_ll(Py_NewRef(PyTuple_GET_ITEM(self->head, 0)), &sdesc);
     if (ok <= 0)
@@ -152,12 +173,19 @@ static int staged_lead(StageEntry *self, Handover *h, long long w, long long v, 
         splits = splits < self->max_programs / tiles ? splits : self->max_programs / tiles;
         splits = splits > 1 ? splits : 1;
     }
-    h->token = h->lease->token % 0x7FFFFFFF + 1;
     const long long words[12] = {sdesc, h->lease->meta_addr, h->lease->values_addr, h->lease->bounds_addr, counter,
                                  h->lease->done_addr, h->token, w, v, 1, tiles, tiles * splits};
     memcpy(lead, words, sizeof(words));
     *extra = tiles * splits;
     return 1;
+}
+
+/* No capture under way on the current stream (during one, the Python path refuses a call that applies): 1, 0, -1. */
+static int not_capturing(StageEntry *self) {
+    PyObject *capturing = PyObject_CallNoArgs(self->is_capturing);
+    int ok = capturing == NULL ? -1 : capturing == Py_False;
+    Py_XDECREF(capturing);
+    return ok;
 }
 
 /* An int argument into *out: 1, 0 (not an exact int: not taken). */
@@ -183,12 +211,9 @@ PyObject *mw_entry_prepare(StageEntry *self, PyObject *const *args, Py_ssize_t n
     const long long f = self->fallback;
     Vector vi, vq, vp, vd = {NULL, 0, f}, vn = {NULL, 0, f};
     long long padded = 0, tokens = 0;
-    int ok = mw_entry_preamble(self);
-    if (ok > 0) { /* (a capture: the Python path refuses the call) */
-        PyObject *capturing = PyObject_CallNoArgs(self->is_capturing);
-        ok = capturing == NULL ? -1 : capturing == Py_False;
-        Py_XDECREF(capturing);
-    }
+    int ok = mw_entry_preamble(self, 1);
+    if (ok > 0)
+        ok = not_capturing(self);
     if (ok > 0 && (ok = mw_entry_vector(self, idx, 0, &vi)) > 0 &&
         !(int_arg(padded_obj, &padded) && int_arg(tokens_obj, &tokens) && vi.len <= padded &&
           padded <= self->max_num_reqs && 0 <= tokens && tokens <= self->max_num_batched_tokens))
@@ -201,17 +226,13 @@ PyObject *mw_entry_prepare(StageEntry *self, PyObject *const *args, Py_ssize_t n
     if (ok > 0 && nct != Py_None && (ok = mw_entry_vector(self, nct, 0, &vn)) > 0 && vn.len < self->max_num_reqs)
         ok = 0;
     ArenaFields *arena = (ArenaFields *)self->arena;
-    if (ok > 0 && (arena->may_overlap || (arena->num_writes && !PyObject_TypeCheck(arena->lease, &mw_LeaseFieldsType))))
+    if (ok > 0 && arena->may_overlap)
         ok = 0; /* (overlapping writes: the Python path orders them into rounds) */
-    Handover h = {self, NULL, NULL, 0, 0, 0};
+    Handover h = {self, NULL, NULL, 0, -1, 0, 0};
     long long lead[12], extra = 0;
     const long long w = arena->num_writes, v = arena->num_values;
-    if (ok > 0 && w) {
-        h.lease = (LeaseFields *)arena->lease;
-        if ((ok = mw_as_ll(PyObject_GetAttr(arena->lease, mw_s_launches), &h.launches)) > 0 &&
-            (ok = next_lease(self, &h)) > 0)
-            ok = staged_lead(self, &h, w, v, lead, &extra);
-    }
+    if (ok > 0 && w)
+        ok = staged_lead(self, &h, w, v, lead, &extra);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     const int window = nct != Py_None && self->window;
@@ -237,8 +258,61 @@ PyObject *mw_entry_prepare(StageEntry *self, PyObject *const *args, Py_ssize_t n
     return both;
 }
 
-/* StageLaunchSpec.staged (a StagedLaunchSpec, or None: prepare never takes the call). */
-int mw_entry_read_staged(PyObject *spec, PyObject **got, long long ints[5]) {
+/* apply(): True once EagerMode.apply's common case is launched (TritonPlan.apply: the apply kernel on the arena's
+ * slot, with TritonDevice.launch_apply's grid and arguments), or None (nothing done). */
+PyObject *mw_entry_apply(StageEntry *self, PyObject *unused) {
+    if (self->arena == Py_None)
+        return Py_NewRef(Py_None);
+    ArenaFields *arena = (ArenaFields *)self->arena;
+    const long long w = arena->num_writes, v = arena->num_values;
+    Handover h = {self, NULL, NULL, 0, -1, 0, 0};
+    long long counter = 0, grid0, grid1 = 1;
+    int ok = mw_entry_preamble(self, 0);
+    if (ok > 0 && (ok = not_capturing(self)) > 0 && (ok = staged_slot(self, &h, &counter)) > 0)
+        ok = mw_entry_current(self);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    const int decode = v <= self->apply_preloaded; /* (a decode step: many short writes, one program) */
+    if (decode) {
+        grid0 = (w + self->decode_block_w - 1) / self->decode_block_w;
+    } else {
+        grid0 = (w + self->block_w - 1) / self->block_w;
+        grid1 = (v + self->block_l - 1) / self->block_l;
+        grid1 = grid1 < self->apply_max_splits ? grid1 : self->apply_max_splits;
+        grid1 = grid1 < self->max_programs / grid0 ? grid1 : self->max_programs / grid0;
+        grid1 = grid1 > 1 ? grid1 : 1;
+    }
+    PyObject *fire = PyDict_GetItemWithError(self->apply_fire, self->apply_keys[decode]);
+    if (fire == NULL || fire == Py_None)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    const long long words[11] = {self->desc_addr, h.lease->meta_addr, h.lease->values_addr, h.lease->bounds_addr,
+                                 counter, h.lease->done_addr, h.token, self->num_tables, w, v, 1};
+    PyObject *args = PyTuple_New(11), *g0 = PyLong_FromLongLong(grid0), *g1 = PyLong_FromLongLong(grid1);
+    ok = args != NULL && g0 != NULL && g1 != NULL ? 0 : -1;
+    for (int i = 0; i < 11 && ok == 0; i++) {
+        PyObject *item = PyLong_FromLongLong(words[i]);
+        if (item == NULL)
+            ok = -1;
+        else
+            PyTuple_SET_ITEM(args, i, item);
+    }
+    if (ok == 0) {
+        LaunchHooks hooks;
+        Py_INCREF(fire); /* (held for the call, as the next lease: nothing they run can free them) */
+        Py_INCREF(h.nxt);
+        if ((ok = mw_entry_fire(self, self->apply_launcher, fire, g0, g1, args, hooks_of(&h, &hooks))) < 0)
+            mw_entry_failure(self);
+        Py_DECREF(h.nxt);
+        Py_DECREF(fire);
+    }
+    Py_XDECREF(args);
+    Py_XDECREF(g0);
+    Py_XDECREF(g1);
+    return ok < 0 ? NULL : Py_NewRef(Py_True);
+}
+
+/* StageLaunchSpec.staged (a StagedLaunchSpec, or None: prepare and apply never take the call). */
+int mw_entry_read_staged(PyObject *spec, PyObject **got, long long *ints) {
     if (s_keep == NULL && ((s_keep = PyUnicode_InternFromString("keep")) == NULL ||
                            (s_lender = PyUnicode_InternFromString("lender")) == NULL ||
                            (s_next = PyUnicode_InternFromString("next")) == NULL))
@@ -252,24 +326,44 @@ int mw_entry_read_staged(PyObject *spec, PyObject **got, long long ints[5]) {
         Py_DECREF(staged);
         return 0;
     }
-    static const char *const names[] = {"arena", "ring", "keep", "resolve", "is_capturing"};
+    /* got: arena, ring, its leases, succ and counter_addrs, keep, resolve, is_capturing, apply_launcher, its fire,
+     * the two apply keys; ints: the stage kernel's apply tiling, spec.staged.apply_sizes, keep.addr, keep.num_tables */
+    static const char *const names[] = {"arena", "ring", "keep", "resolve", "is_capturing", "apply_launcher"};
+    static const int where[] = {0, 1, 5, 6, 7, 8};
     int ok = 0;
-    for (int i = 0; i < 5 && ok == 0; i++)
-        ok = (got[i < 2 ? i : i + 3] = PyObject_GetAttrString(staged, names[i])) == NULL ? -1 : 0;
+    for (int i = 0; i < 6 && ok == 0; i++)
+        ok = (got[where[i]] = PyObject_GetAttrString(staged, names[i])) == NULL ? -1 : 0;
     static const char *const lists[] = {"leases", "succ", "counter_addrs"};
     for (int i = 0; i < 3 && ok == 0; i++)
         ok = (got[2 + i] = PyObject_GetAttrString(got[1], lists[i])) == NULL ? -1 : 0;
-    static const char *const sizes[] = {"apply_w", "apply_l", "preloaded", "max_splits", "max_programs"};
-    for (int i = 0; i < 5 && ok == 0; i++) {
-        int got_int = mw_as_ll(PyObject_GetAttrString(staged, sizes[i]), &ints[i]);
+    PyObject *chr = NULL, *sizes = NULL;
+    if (ok == 0 && ((got[9] = PyObject_GetAttrString(got[8], "fire")) == NULL ||
+                    (chr = PyObject_GetAttrString(staged, "values_char")) == NULL ||
+                    (got[10] = PyTuple_Pack(2, chr, Py_False)) == NULL ||
+                    (got[11] = PyTuple_Pack(2, chr, Py_True)) == NULL ||
+                    (sizes = PyObject_GetAttrString(staged, "apply_sizes")) == NULL))
+        ok = -1;
+    Py_XDECREF(chr);
+    static const char *const named[] = {"apply_w", "apply_l", "preloaded", "max_splits", "max_programs"};
+    const int sized = sizes != NULL && PyTuple_Check(sizes) && PyTuple_GET_SIZE(sizes) == 5;
+    for (int i = 0; i < STAGED_INTS && ok == 0; i++) {
+        PyObject *value = i < 5    ? PyObject_GetAttrString(staged, named[i])
+                          : i < 10 ? Py_NewRef(sized ? PyTuple_GET_ITEM(sizes, i - 5) : Py_None)
+                                   : PyObject_GetAttrString(got[5], i == 10 ? "addr" : "num_tables");
+        int got_int = mw_as_ll(value, &ints[i]);
         if (got_int == 0 || (got_int > 0 && ints[i] < 1))
-            PyErr_Format(PyExc_TypeError, "StageEntry: spec.staged.%s must be a positive int", sizes[i]);
+            PyErr_Format(PyExc_TypeError, "StageEntry: spec.staged.%s must be %s",
+                         i < 5 ? named[i] : i < 10 ? "apply_sizes" : "keep",
+                         i < 5 ? "a positive int" : i < 10 ? "five positive ints" : "descriptors (addr, num_tables)");
         ok = got_int > 0 && ints[i] >= 1 ? 0 : -1;
     }
+    Py_XDECREF(sizes);
     if (ok == 0 && !(PyObject_TypeCheck(got[0], &mw_ArenaFieldsType) && PyList_Check(got[2]) && PyList_Check(got[3]) &&
-                     PyList_Check(got[4]) && PyCallable_Check(got[6]) && PyCallable_Check(got[7]))) {
+                     PyList_Check(got[4]) && PyCallable_Check(got[6]) && PyCallable_Check(got[7]) &&
+                     PyDict_Check(got[9]))) {
         PyErr_SetString(PyExc_TypeError, "StageEntry: spec.staged needs an ArenaFields arena, a ring whose leases, "
-                                         "succ and counter_addrs are lists, and callable resolve and is_capturing");
+                                         "succ and counter_addrs are lists, callable resolve and is_capturing, and an "
+                                         "apply_launcher whose fire is a dict");
         ok = -1;
     }
     Py_DECREF(staged);

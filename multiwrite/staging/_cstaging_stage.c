@@ -1,5 +1,6 @@
 /*
- * multiwrite.staging._cstaging, part: the type StageEntry, an eager gather or slot-mapping call in one C call.
+ * multiwrite.staging._cstaging, part: StageEntry's gather and slots, an eager gather or slot-mapping call in one C
+ * call, and what every call of the entry shares (the preamble, the inputs, the launch); the type is _cstaging_entry.c's.
  *
  * StageEntry(owner, countdown, storage, guard, outputs, outputs_guard, failure, spec) sits in front of the one Python
  * path of a `BlockTables` stage call that applies nothing (multiwrite/tables/mode.py, TablesMode.stage_call): its
@@ -14,7 +15,7 @@
  * dirty rows unchanged; any other exception (an interrupt) moves them to the larger of both counts. Its prepare, the
  * call that applies the staged batch in the same launch, is _cstaging_prepare.c's.
  */
-#include "_cstaging_stage.h"
+#include "_cstaging_entry.h"
 
 static PyObject *s_version, *s_guard_version, *s_dirty_rows, *s_get_device, *s_stride, *s_data_ptr, *s_dtype,
     *s_shape;
@@ -55,8 +56,6 @@ static int call_ll(PyObject *obj, PyObject *name, long long *out) {
     return mw_as_ll(PyObject_VectorcallMethod(name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL), out);
 }
 
-/* The step's arguments after the spec's head: groups, idx, qsl, pos, pad, nct, num_reqs, rows, tokens, splits. */
-#define STEP_ARGS 10
 
 /* `t` a torch.Tensor (exactly) on the tables' device, 1-D contiguous (stride (1,)), of dtype int32/int64 (`flag`:
  * torch.bool): 1 (into *v), 0 (anything else: not taken), -1 (error). */
@@ -99,11 +98,11 @@ int mw_entry_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
     return ok;
 }
 
-int mw_entry_preamble(StageEntry *self) {
+int mw_entry_preamble(StageEntry *self, int outputs) {
     if (((mw_Countdown *)self->countdown)->left <= 1) /* (due: the Python path checks the addresses) */
         return 0;
     PyObject *pairs[2][2] = {{self->storage, self->guard}, {self->outputs, self->outputs_guard}};
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 1 + outputs; i++) {
         long long now, then;
         int ok = mw_as_ll(PyObject_GetAttr(pairs[i][0], s_version), &now);
         if (ok > 0)
@@ -165,14 +164,14 @@ void mw_entry_set_dirty(StageEntry *self, long long rows) {
 
 /* The step's arguments after the lead: groups, idx, qsl, pos, pad, nct, num_reqs, rows, tokens, splits. */
 #define STEP_ARGS 10
-#define LEAD_ARGS 12
 
 static int launch_with(StageEntry *self, PyObject *fire, int gather, const long long *lead, long long extra,
                        const long long ptrs[5], long long n, long long padded, long long tokens,
                        const LaunchHooks *hooks);
 
 int mw_entry_launch(StageEntry *self, PyObject *key, int gather, const long long *lead, long long extra,
-                    const long long ptrs[5], long long n, long long padded, long long tokens, const LaunchHooks *hooks) {
+                    const long long ptrs[5], long long n, long long padded, long long tokens,
+                    const LaunchHooks *hooks) {
     PyObject *fire = PyDict_GetItemWithError(self->fire, key);
     if (fire == NULL || fire == Py_None)
         return PyErr_Occurred() ? -1 : 0;
@@ -185,15 +184,10 @@ int mw_entry_launch(StageEntry *self, PyObject *key, int gather, const long long
 static int launch_with(StageEntry *self, PyObject *fire, int gather, const long long *lead, long long extra,
                        const long long ptrs[5], long long n, long long padded, long long tokens,
                        const LaunchHooks *hooks) {
-    long long current, dirty = 0;
-    PyObject *noargs = NULL;
-    int ok = mw_as_ll(PyObject_Vectorcall(self->get_device, &noargs, 0, NULL), &current);
-    if (ok < 0) {
-        mw_entry_failure(self); /* (the Python path's launch asks for the device: its error is the job's) */
-        return -1;
-    }
-    if (ok == 0 || current != self->index) /* (another device current: the Python path switches to the tables') */
-        return 0;
+    long long dirty = 0;
+    int ok = mw_entry_current(self);
+    if (ok <= 0)
+        return ok;
     if (gather) {
         if ((ok = mw_as_ll(PyObject_GetAttr(self->owner, s_dirty_rows), &dirty)) <= 0)
             return ok;
@@ -204,7 +198,7 @@ static int launch_with(StageEntry *self, PyObject *fire, int gather, const long 
     const Py_ssize_t nhead = lead == NULL ? PyTuple_GET_SIZE(self->head) : LEAD_ARGS;
     const long long items[STEP_ARGS] = {self->groups, ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], n, padded, tokens,
                                         self->splits};
-    PyObject *args = PyTuple_New(nhead + STEP_ARGS), *grid0 = NULL, *one = NULL, *stream = NULL, *result = NULL;
+    PyObject *args = PyTuple_New(nhead + STEP_ARGS), *grid0 = NULL, *one = NULL;
     if (args == NULL)
         return -1;
     for (Py_ssize_t i = 0; i < nhead + STEP_ARGS; i++) {
@@ -218,54 +212,55 @@ static int launch_with(StageEntry *self, PyObject *fire, int gather, const long 
     if ((grid0 = PyLong_FromLongLong(self->groups * (padded + 1) * self->splits + extra)) == NULL ||
         (one = PyLong_FromLong(1)) == NULL)
         goto fail;
-    if ((stream = PyObject_CallOneArg(self->get_stream, self->index_obj)) == NULL) {
-        mw_entry_failure(self);
-        goto fail;
-    }
-    ((mw_Countdown *)self->countdown)->left--; /* (the preamble's truth test: false, as mw_entry_preamble found) */
-    if (hooks != NULL && hooks->before(hooks->ctx) < 0) {
-        mw_entry_failure(self);
-        goto fail;
-    }
-    PyObject *call[4] = {grid0, one, stream, args};
-    result = PyObject_Vectorcall(fire, call, 4, NULL);
-    if (result == NULL) {
-        const int interrupted = !PyErr_ExceptionMatches(PyExc_Exception);
-        if (hooks != NULL)
-            hooks->after(hooks->ctx, 0);
-        if (gather && interrupted)
+    if (mw_entry_fire(self, self->launcher, fire, grid0, one, args, hooks) < 0) {
+        if (gather && !PyErr_ExceptionMatches(PyExc_Exception))
             mw_entry_set_dirty(self, dirty > n ? dirty : n); /* (an interrupt: the launch may have been issued) */
         mw_entry_failure(self);
         goto fail;
     }
-    Py_DECREF(result);
     if (gather)
         mw_entry_set_dirty(self, n);
-    mw_count_one(self->launcher, mw_s_launches); /* (a statistic, as Launcher.launch counts it) */
-    if (hooks != NULL)
-        hooks->after(hooks->ctx, 1);
     Py_DECREF(args);
     Py_DECREF(grid0);
     Py_DECREF(one);
-    Py_DECREF(stream);
     return 1;
 fail:
     Py_XDECREF(args);
     Py_XDECREF(grid0);
     Py_XDECREF(one);
-    Py_XDECREF(stream);
     return -1;
 }
 
-void mw_count_one(PyObject *obj, PyObject *name) {
-    long long count;
-    if (mw_as_ll(PyObject_GetAttr(obj, name), &count) > 0) {
-        PyObject *next = PyLong_FromLongLong(count + 1);
-        if (next != NULL)
-            PyObject_SetAttr(obj, name, next);
-        Py_XDECREF(next);
+int mw_entry_current(StageEntry *self) {
+    long long current;
+    PyObject *noargs = NULL;
+    int ok = mw_as_ll(PyObject_Vectorcall(self->get_device, &noargs, 0, NULL), &current);
+    if (ok < 0)
+        mw_entry_failure(self); /* (the Python path's launch asks for the device: its error is the job's) */
+    return ok <= 0 ? ok : current == self->index; /* (another device: the Python path switches to the tables') */
+}
+
+int mw_entry_fire(StageEntry *self, PyObject *launcher, PyObject *fire, PyObject *grid0, PyObject *grid1,
+                  PyObject *args, const LaunchHooks *hooks) {
+    ((mw_Countdown *)self->countdown)->left--; /* (the preamble's truth test: false, as mw_entry_preamble found) */
+    if (hooks != NULL && hooks->before(hooks->ctx) < 0)
+        return -1;
+    PyObject *stream = PyObject_CallOneArg(self->get_stream, self->index_obj), *result = NULL;
+    if (stream != NULL) { /* (after the hand-over, as TritonDevice.launch_on asks for it) */
+        PyObject *call[4] = {grid0, grid1, stream, args};
+        result = PyObject_Vectorcall(fire, call, 4, NULL);
+        Py_DECREF(stream);
     }
-    PyErr_Clear();
+    if (result == NULL) {
+        if (hooks != NULL)
+            hooks->after(hooks->ctx, 0);
+        return -1;
+    }
+    Py_DECREF(result);
+    mw_count_one(launcher, mw_s_launches); /* (a statistic, as Launcher.launch counts it) */
+    if (hooks != NULL)
+        hooks->after(hooks->ctx, 1);
+    return 1;
 }
 
 PyObject *mw_cached_view(PyObject *views, PyObject *layout, PyObject *name, PyObject *n) {
@@ -280,13 +275,13 @@ PyObject *mw_cached_view(PyObject *views, PyObject *layout, PyObject *name, PyOb
 
 /* gather(idx_mapping, num_reqs_padded, num_computed_tokens): input_block_tables[g][:num_reqs_padded] per group
  * (launched), or None (nothing done). */
-static PyObject *entry_gather(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *mw_entry_gather(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3)
         return mw_usage_error("gather(idx_mapping, num_reqs_padded, num_computed_tokens): three arguments");
     PyObject *idx = args[0], *padded_obj = args[1], *nct = args[2];
     Vector vi, vn = {NULL, 0, self->fallback};
     long long padded;
-    int ok = mw_entry_preamble(self);
+    int ok = mw_entry_preamble(self, 1);
     if (ok > 0)
         ok = mw_entry_vector(self, idx, 0, &vi);
     if (ok > 0 && !(vi.len <= self->max_num_reqs && PyLong_CheckExact(padded_obj)))
@@ -318,14 +313,14 @@ static PyObject *entry_gather(StageEntry *self, PyObject *const *args, Py_ssize_
 
 /* slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding): slot_mappings[:, :num_tokens_padded]
  * (launched), or None (nothing done). */
-static PyObject *entry_slots(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *mw_entry_slots(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5)
         return mw_usage_error("slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding): five "
                               "arguments");
     PyObject *idx = args[0], *qsl = args[1], *pos = args[2], *tokens_obj = args[3], *pad = args[4];
     Vector vi, vq, vp, vd = {NULL, 0, self->fallback};
     long long tokens;
-    int ok = mw_entry_preamble(self);
+    int ok = mw_entry_preamble(self, 1);
     if (ok > 0)
         ok = mw_entry_vector(self, idx, 0, &vi);
     if (ok > 0 && !(vi.len <= self->max_num_reqs && self->max_num_batched_tokens >= 0 && PyLong_CheckExact(tokens_obj)))
@@ -353,148 +348,3 @@ static PyObject *entry_slots(StageEntry *self, PyObject *const *args, Py_ssize_t
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     return mw_cached_view(self->slot_views, self->layout, mw_s_slots, tokens_obj);
 }
-
-/* An int attribute of the spec into *out: 0, or -1 with an error set. */
-static int spec_ll(PyObject *spec, const char *name, long long *out) {
-    int ok = mw_as_ll(PyObject_GetAttrString(spec, name), out);
-    if (ok == 0)
-        PyErr_Format(PyExc_TypeError, "StageEntry: spec.%s must be an int", name);
-    return ok > 0 ? 0 : -1;
-}
-
-/* The fields a StageEntry holds references to, in its struct's order from `owner` (entry_refs lists them too). */
-#define ENTRY_REFS (22 + STAGED_REFS)
-
-static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"owner", "countdown", "storage", "guard", "outputs", "outputs_guard", "failure",
-                               "spec", NULL};
-    PyObject *given[8], *spec;
-    if (mw_entry_names() < 0 ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOO:StageEntry", keywords, &given[0], &mw_CountdownType,
-                                     &given[1], &given[2], &given[3], &given[4], &given[5], &given[6], &spec))
-        return -1;
-    if (!PyCallable_Check(given[6])) {
-        PyErr_SetString(PyExc_TypeError, "StageEntry: failure must be callable");
-        return -1;
-    }
-    /* Everything is read and checked into `got` first: a failed (re-)initialization leaves the entry as it was. */
-    static const char *const names[] = {"launcher", "get_device", "get_stream", "layout", "tensor_type", "int32",
-                                        "int64", "boolean", "cp_size", "cp_interleave", "head"};
-    PyObject *got[ENTRY_REFS] = {NULL};
-    for (int i = 0; i < 7; i++)
-        got[i] = Py_NewRef(given[i]);
-    int ok = 0;
-    for (int i = 0; i < 11 && ok == 0; i++)
-        ok = (got[7 + i] = PyObject_GetAttrString(spec, names[i])) == NULL ? -1 : 0;
-    /* then launcher.fire, layout.gathered_views, layout.slot_views and the device index as an int */
-    if (ok == 0 && ((got[18] = PyObject_GetAttrString(got[7], "fire")) == NULL ||
-                    (got[19] = PyObject_GetAttrString(got[10], "gathered_views")) == NULL ||
-                    (got[20] = PyObject_GetAttrString(got[10], "slot_views")) == NULL))
-        ok = -1;
-    if (ok == 0 &&
-        !(PyDict_Check(got[18]) && PyDict_Check(got[19]) && PyDict_Check(got[20]) && PyTuple_Check(got[17]))) {
-        PyErr_SetString(PyExc_TypeError, "StageEntry: launcher.fire, layout.gathered_views and layout.slot_views must "
-                                         "be dicts, spec.head a tuple");
-        ok = -1;
-    }
-    long long index = 0, reqs = 0, tokens = 0, groups = 0, splits = 0, fallback = 0;
-    int window = 0;
-    if (ok == 0 && (spec_ll(spec, "device_index", &index) < 0 || spec_ll(spec, "max_num_reqs", &reqs) < 0 ||
-                    spec_ll(spec, "max_num_batched_tokens", &tokens) < 0 || spec_ll(spec, "groups", &groups) < 0 ||
-                    spec_ll(spec, "splits", &splits) < 0 || spec_ll(spec, "fallback", &fallback) < 0))
-        ok = -1;
-    if (ok == 0) {
-        PyObject *w = PyObject_GetAttrString(spec, "window");
-        ok = w == NULL || (window = PyObject_IsTrue(w)) < 0 ? -1 : 0;
-        Py_XDECREF(w);
-    }
-    if (ok == 0 && (got[21] = PyLong_FromLongLong(index)) == NULL)
-        ok = -1;
-    long long staged[5] = {0};
-    if (ok == 0)
-        ok = mw_entry_read_staged(spec, got + 22, staged);
-    if (ok < 0) {
-        for (int i = 0; i < ENTRY_REFS; i++)
-            Py_XDECREF(got[i]);
-        return -1;
-    }
-    PyObject **fields[ENTRY_REFS] = {
-        &self->owner, &self->countdown, &self->storage, &self->guard, &self->outputs, &self->outputs_guard,
-        &self->failure, &self->launcher, &self->get_device, &self->get_stream, &self->layout, &self->tensor_type,
-        &self->int32, &self->int64, &self->boolean, &self->cp_size, &self->cp_interleave, &self->head, &self->fire,
-        &self->gathered_views, &self->slot_views, &self->index_obj, &self->arena, &self->ring, &self->ring_leases,
-        &self->ring_succ, &self->ring_counters, &self->keep, &self->resolve, &self->is_capturing};
-    for (int i = 0; i < ENTRY_REFS; i++)
-        Py_XSETREF(*fields[i], got[i]);
-    self->index = index;
-    self->max_num_reqs = reqs;
-    self->max_num_batched_tokens = tokens;
-    self->groups = groups;
-    self->splits = splits;
-    self->fallback = fallback;
-    self->window = window;
-    self->apply_w = staged[0], self->apply_l = staged[1], self->preloaded = staged[2], self->max_splits = staged[3];
-    self->max_programs = staged[4];
-    return 0;
-}
-
-static const Py_ssize_t entry_refs[] = {
-    offsetof(StageEntry, owner),      offsetof(StageEntry, countdown),      offsetof(StageEntry, storage),
-    offsetof(StageEntry, guard),      offsetof(StageEntry, outputs),        offsetof(StageEntry, outputs_guard),
-    offsetof(StageEntry, failure),    offsetof(StageEntry, launcher),       offsetof(StageEntry, fire),
-    offsetof(StageEntry, get_device), offsetof(StageEntry, get_stream),     offsetof(StageEntry, index_obj),
-    offsetof(StageEntry, layout),     offsetof(StageEntry, gathered_views), offsetof(StageEntry, slot_views),
-    offsetof(StageEntry, tensor_type), offsetof(StageEntry, int32),         offsetof(StageEntry, int64),
-    offsetof(StageEntry, boolean),    offsetof(StageEntry, cp_size),        offsetof(StageEntry, cp_interleave),
-    offsetof(StageEntry, head),       offsetof(StageEntry, arena),          offsetof(StageEntry, ring),
-    offsetof(StageEntry, ring_leases), offsetof(StageEntry, ring_succ),     offsetof(StageEntry, ring_counters),
-    offsetof(StageEntry, keep),       offsetof(StageEntry, resolve),        offsetof(StageEntry, is_capturing),
-    -1};
-
-MW_GC_FUNCS(entry, StageEntry)
-
-static PyObject *entry_refuse_uninitialized(StageEntry *self) {
-    PyErr_SetString(PyExc_TypeError, "StageEntry: not initialized");
-    return NULL;
-}
-
-static PyObject *entry_gather_call(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
-    return self->fire == NULL ? entry_refuse_uninitialized(self) : entry_gather(self, args, nargs);
-}
-
-static PyObject *entry_slots_call(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
-    return self->fire == NULL ? entry_refuse_uninitialized(self) : entry_slots(self, args, nargs);
-}
-
-static PyObject *entry_prepare_call(StageEntry *self, PyObject *const *args, Py_ssize_t nargs) {
-    return self->fire == NULL ? entry_refuse_uninitialized(self) : mw_entry_prepare(self, args, nargs);
-}
-
-static PyMemberDef entry_members[] = {
-    {"owner", T_OBJECT, offsetof(StageEntry, owner), READONLY, "the mode whose dirty_rows the gathers move"},
-    {"launcher", T_OBJECT, offsetof(StageEntry, launcher), READONLY, "the stage kernel's Launcher"},
-    {NULL},
-};
-
-static PyMethodDef entry_methods[] = {
-    {"gather", (PyCFunction)(void (*)(void))entry_gather_call, METH_FASTCALL,
-     "gather(idx_mapping, num_reqs_padded, num_computed_tokens): the gathered views (launched), or None (nothing "
-     "done: the Python path runs)."},
-    {"prepare", (PyCFunction)(void (*)(void))entry_prepare_call, METH_FASTCALL,
-     "prepare(idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, is_padding,\n"
-     "num_computed_tokens): (gathered views, slot-mapping view) with the staged batch applied (launched), or None."},
-    {"slots", (PyCFunction)(void (*)(void))entry_slots_call, METH_FASTCALL,
-     "slots(idx_mapping, query_start_loc, positions, num_tokens_padded, is_padding): the slot-mapping view "
-     "(launched), or None (nothing done: the Python path runs)."},
-    {NULL},
-};
-
-PyTypeObject mw_StageEntryType = {
-    MW_TYPE_HEAD("StageEntry", StageEntry, entry, Py_TPFLAGS_HAVE_GC,
-                 "StageEntry(owner, countdown, storage, guard, outputs, outputs_guard, failure, spec): an eager\n"
-                 "gather or slot-mapping call checked and launched in one C call, or None where the Python path\n"
-                 "must run (multiwrite/stage/entry.py)."),
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)entry_init,
-    MW_GC_SLOTS(entry),
-};

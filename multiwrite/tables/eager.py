@@ -26,7 +26,11 @@ class EagerMode(TablesMode):
                                  self.plan.stage_launch_spec())  # fmt: skip
 
     def apply(self) -> None:
-        """Refused during a capture; one `plan.apply()` when anything is staged."""
+        """Refused during a capture; one `plan.apply()` when anything is staged (the common case in one compiled
+        call: `entry.apply()`; None from it: nothing done)."""
+        entry = self.entry
+        if entry is not None and entry.apply():
+            return
         self.enter("BlockTables.apply_staged_writes", True, False)
         if self.arena.num_writes:
             try:

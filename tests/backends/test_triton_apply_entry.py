@@ -7,8 +7,6 @@ Python path's, with nothing done; failures and interrupts as there."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -18,12 +16,14 @@ from multiwrite.staging.fields import _cstaging
 from tests.support.stage_entry import (
     big_pair,
     entry_tables,
+    new_entry,
     pair,
     ring_state,
     run_both,
     same_tables,
     stage_appends,
     stage_whole_rows,
+    staged_pair,
 )
 
 pytestmark = pytest.mark.skipif(_cstaging is None, reason="the compiled staging helper is not built")
@@ -83,20 +83,7 @@ def test_a_large_batch_is_tiled_as_the_python_path_tiles_it(monkeypatch):
 
 @pytest.fixture
 def staged(monkeypatch):
-    bt, twin, stand_in = pair(monkeypatch)
-    stage_appends([bt, twin], np.random.default_rng(5), False)
-    assert bt._mode.arena.num_writes and not bt._mode.arena.may_overlap
-    return bt, twin, stand_in
-
-
-def _entry(bt, stand_in, get_device=lambda: -1, **staged):
-    """A new entry over `bt`'s mode, on the stand-ins, `get_device` and `staged`'s fields replaced."""
-    mode = bt._mode
-    spec = mode.plan.launch_spec()
-    staged = dataclasses.replace(spec.staged, apply_launcher=stand_in.apply, **staged)
-    spec = dataclasses.replace(spec, launcher=stand_in, device_index=-1, get_device=get_device, staged=staged)
-    return _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
-                                mode.outputs_guard, mode.failure, spec)  # fmt: skip
+    return staged_pair(monkeypatch)
 
 
 def test_what_apply_does_not_take_is_the_python_paths_with_nothing_done(staged):
@@ -108,13 +95,13 @@ def test_what_apply_does_not_take_is_the_python_paths_with_nothing_done(staged):
     ring.done[nxt.slot] = nxt.token - 1
     assert bt._mode.entry.apply() is None
     ring.done[nxt.slot] = nxt.token
-    assert _entry(bt, stand_in, is_capturing=lambda: True).apply() is None
+    assert new_entry(bt, stand_in, is_capturing=lambda: True).apply() is None
     fire = dict(stand_in.apply.fire)
     stand_in.apply.fire.clear()
     assert bt._mode.entry.apply() is None
     stand_in.apply.fire.update(fire)
     mode = bt._mode
-    assert _entry(bt, stand_in, get_device=lambda: 0).apply() is None
+    assert new_entry(bt, stand_in, get_device=lambda: 0).apply() is None
     while mode._countdown.left > 1:  # (the address check due at the next call: each truth test counts one)
         bool(mode._countdown)
     assert mode.entry.apply() is None

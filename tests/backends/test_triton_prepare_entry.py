@@ -8,6 +8,7 @@ kernel ran."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -15,98 +16,40 @@ import pytest
 import torch
 
 from multiwrite import BackendError, BlockTables
-from multiwrite.backends.triton.backend import TritonCudaBackend
 from multiwrite.backends.triton.launcher import Launcher
 from multiwrite.staging.fields import _cstaging
-from tests.support.stage_entry import GROUPS, I32, I64, engine_steps, entry_tables, stage_rows
+from tests.support.stage_entry import (
+    I32,
+    I64,
+    big_pair,
+    engine_steps,
+    new_entry,
+    pair,
+    ring_state,
+    run_both,
+    same_results,
+    same_tables,
+    stage_appends,
+    stage_whole_rows,
+    staged_pair,
+)
 
 pytestmark = pytest.mark.skipif(_cstaging is None, reason="the compiled staging helper is not built")
-
-WIDTHS = GROUPS["max_num_blocks_per_group"]
-#: Kernel blocks per block of each group (`num_blocks` counts kernel blocks).
-PER_BLOCK = [b // k for b, k in zip(GROUPS["block_sizes"], GROUPS["kernel_block_sizes"])]
-
-
-def stage_appends(tables: list[BlockTables], rng: np.random.Generator, overlap: bool) -> None:
-    """The same random appends and overwrites into each of `tables` (rows never past their width); `overlap`: one row
-    written twice (overlapping writes: the Python path's)."""
-    rows = list(rng.choice(GROUPS["max_num_reqs"], size=int(rng.integers(1, 4)), replace=False))
-    if overlap:
-        rows.append(rows[0])
-    for r in rows:
-        # (the row written twice: whole both times, so that neither write is empty, which stages nothing)
-        overwrite = rng.random() < 0.3 or overlap and r == rows[0]
-        counts = tables[0].num_blocks[:, r]
-        ids = []
-        for g, w in enumerate(WIDTHS):  # (an overwrite writes whole rows: every position of a step keeps its block)
-            room = w - int(counts[g]) // PER_BLOCK[g]
-            ids.append(list(rng.integers(1, 1000, size=w if overwrite else int(rng.integers(0, room + 1)))))
-        for t in tables:
-            t.append_block_ids(int(r), ids, overwrite)
-
-
-def addresses(bt: BlockTables) -> dict[int, str]:
-    """The addresses a launch on `bt`'s staged batch passes, named."""
-    plan, arena = bt._mode.plan, bt._mode.arena
-    lease, ring = arena.lease, arena.lender
-    named = {lease.meta_addr: "meta", lease.values_addr: "values", lease.bounds_addr: "bounds", lease.done_addr: "done",
-             plan._no_batch[0]: "stage-descriptors", plan._fallback: "fallback"}  # fmt: skip
-    named.update({a: f"counter[{i}]" for i, a in enumerate(ring.counter_addrs)})
-    return named
-
-
-def ring_state(bt: BlockTables, tokens: bool = True) -> tuple:
-    """The slot the arena stages into, the ring's next slot, the writes staged, each slot's (token, launches)."""
-    arena = bt._mode.arena
-    ring = arena.lender
-    slots = [(lease.token if tokens else None, lease.launches) for lease in ring.leases]
-    return arena.lease.slot, ring.next, arena.num_writes, slots
-
-
-def pair(monkeypatch):
-    bt, stand_in = entry_tables(monkeypatch, **GROUPS)
-    twin = BlockTables(backend=TritonCudaBackend(), **GROUPS)
-    stage_rows(bt, np.random.default_rng(1))
-    stage_rows(twin, np.random.default_rng(1))
-    return bt, twin, stand_in
-
-
-def same_results(a, b) -> bool:
-    (ga, sa), (gb, sb) = a, b
-    return all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True)) and torch.equal(sa, sb)
-
-
-def same_tables(bt: BlockTables, twin: BlockTables) -> bool:
-    return all(torch.equal(a.tensor, b.tensor) for a, b in zip(bt.block_tables, twin.block_tables)) and np.array_equal(
-        bt.num_blocks, twin.num_blocks
-    )
-
 
 def prepare_both(monkeypatch, bt: BlockTables, twin: BlockTables, stand_in, step: tuple) -> tuple | None:
     """`prepare_inputs(*step)` on `bt` (the entry's when it takes it) and on `twin` (the Python path's): equal results,
     tables and ring state required. Returns the entry's launch (key, grid0, grid1, args), the args' addresses named,
     after checking it against the twin's launch and the views returned; None when the entry did not take the call."""
     idx, qsl, pos, padded, tokens, pad, nct = step
-    names = [addresses(bt), addresses(twin)]
-    calls = len(stand_in.calls)
-    with monkeypatch.context() as m:
-        python: list[tuple] = []
-        m.setattr(Launcher, "launch", _recorder(python))
-        got = bt.prepare_inputs(*step)
-        want = twin.prepare_inputs(*step)
-    assert same_results(got, want) and same_tables(bt, twin)
-    assert ring_state(bt) == ring_state(twin)
-    if len(stand_in.calls) == calls:
+    got, want, launch = run_both(monkeypatch, bt, twin, stand_in, lambda t: t.prepare_inputs(*step))
+    assert same_results(got, want)
+    if launch is None:
         return None
-    mine, theirs = stand_in.calls[-1], python[-1]
-    assert len(stand_in.calls) == calls + 1 and mine[:3] == theirs[:3]
-    named = [tuple(n.get(a, a) for a in args) for n, args in zip(names, (mine[3], theirs[3]))]
-    assert named[0] == named[1]
     views = [(t[:padded].data_ptr(), t[:padded].shape) for t in bt.input_block_tables]
     assert [(v.data_ptr(), v.shape) for v in got[0]] == views
     view = bt.slot_mappings[:, :tokens]
     assert (got[1].data_ptr(), got[1].shape) == (view.data_ptr(), view.shape)
-    return (*mine[:3], named[0])
+    return launch
 
 
 def test_prepare_launches_what_the_python_path_launches_for_every_step(monkeypatch):
@@ -137,16 +80,10 @@ def test_prepare_launches_what_the_python_path_launches_for_every_step(monkeypat
 def test_a_batch_of_many_writes_and_values_is_tiled_as_the_python_path_tiles_it(monkeypatch):
     """More writes than one apply tile holds and more values than the kernel preloads: the apply programs' tiles and
     column splits (bounded by the device's programs) as the Python path computes them."""
-    big = dict(GROUPS, block_sizes=[16, 16, 16], kernel_block_sizes=[16, 16, 16], max_num_reqs=12,
-               max_num_blocks_per_group=[64, 32, 64])  # fmt: skip
-    bt, stand_in = entry_tables(monkeypatch, **big)
-    twin = BlockTables(backend=TritonCudaBackend(), **big)
+    bt, twin, stand_in = big_pair(monkeypatch)
     rng = np.random.default_rng(2)
     for rows in (range(12), range(3), range(12)):
-        for r in rows:
-            ids = [list(rng.integers(1, 1000, size=w)) for w in big["max_num_blocks_per_group"]]
-            for t in (bt, twin):
-                t.append_block_ids(r, ids, True)
+        stage_whole_rows([bt, twin], rows, rng)
         w, v = bt._mode.arena.num_writes, bt._mode.arena.num_values
         step = (torch.tensor([4, 0, 7], dtype=I32), torch.tensor([0, 2, 3, 5], dtype=I32),
                 torch.tensor([5, 6, 1, 500, 3]), 3, 6, None, None)  # fmt: skip
@@ -156,36 +93,13 @@ def test_a_batch_of_many_writes_and_values_is_tiled_as_the_python_path_tiles_it(
     assert stand_in.launches == 3
 
 
-def _recorder(calls: list):
-    original = Launcher.launch
-
-    def recording(self, variant, consts, grid0, grid1, args, *rest, **kw):
-        calls.append((variant, grid0, grid1, args))
-        return original(self, variant, consts, grid0, grid1, args, *rest, **kw)
-
-    return recording
-
-
 STEP = (torch.tensor([2, 0], dtype=I32), torch.tensor([0, 2, 3], dtype=I32), torch.tensor([5, 6, 1]), 2, 4, None,
         None)  # fmt: skip
 
 
 @pytest.fixture
 def staged(monkeypatch):
-    bt, twin, stand_in = pair(monkeypatch)
-    stage_appends([bt, twin], np.random.default_rng(5), False)
-    assert bt._mode.arena.num_writes and not bt._mode.arena.may_overlap
-    return bt, twin, stand_in
-
-
-def _entry(bt: BlockTables, stand_in, **staged):
-    """A new entry over `bt`'s mode whose spec's staged part has `staged` replaced."""
-    mode = bt._mode
-    spec = mode.plan.launch_spec()
-    spec = dataclasses.replace(spec, launcher=stand_in, device_index=-1, get_device=lambda: -1,
-                               staged=dataclasses.replace(spec.staged, **staged) if staged else None)  # fmt: skip
-    return _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
-                                mode.outputs_guard, mode.failure, spec)  # fmt: skip
+    return staged_pair(monkeypatch)
 
 
 def test_a_busy_next_slot_a_capture_or_no_staged_spec_is_the_python_paths(staged):
@@ -198,11 +112,11 @@ def test_a_busy_next_slot_a_capture_or_no_staged_spec_is_the_python_paths(staged
     ring.done[nxt.slot] = nxt.token - 1  # (its word does not hold its token yet: busy)
     assert bt._mode.entry.prepare(*STEP) is None
     ring.done[nxt.slot] = nxt.token
-    assert _entry(bt, stand_in, is_capturing=lambda: True).prepare(*STEP) is None
-    assert _entry(bt, stand_in).prepare(*STEP) is None
+    assert new_entry(bt, stand_in, is_capturing=lambda: True).prepare(*STEP) is None
+    assert new_entry(bt, stand_in, staged=False).prepare(*STEP) is None
     assert stand_in.calls == [] and ring_state(bt) == before
     with pytest.raises(RuntimeError, match="no CUDA"):  # (the capture test's own error, as the preamble raises it)
-        _entry(bt, stand_in, is_capturing=_broken).prepare(*STEP)
+        new_entry(bt, stand_in, is_capturing=_broken).prepare(*STEP)
     assert stand_in.calls == [] and ring_state(bt) == before
     assert same_results(bt.prepare_inputs(*STEP), twin.prepare_inputs(*STEP)) and len(stand_in.calls) == 1
 
@@ -221,6 +135,41 @@ def test_the_arenas_own_slot_is_passed_by_as_the_python_path_passes_it(staged):
     assert same_results(bt.prepare_inputs(*STEP), twin.prepare_inputs(*STEP)) and len(stand_in.calls) == 1
     assert ring_state(bt) == ring_state(twin)
     assert bt._mode.arena.lease.slot not in (own, -1)
+
+
+@pytest.mark.parametrize("fails", [RuntimeError("launch failed"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_a_failed_launch_after_passing_the_arenas_own_slot_leaves_the_ring_as_the_python_path(staged, fails):
+    """The ring one slot ahead and the launch failing before its kernel ran: the ring's next slot where the Python
+    path leaves it (its release steps back over the second acquire only: the slot after the arena's own), the writes
+    staged. (Found by review: the entry left it at the arena's own slot.)"""
+    bt, twin, stand_in = staged
+    for t in (bt, twin):
+        t._mode.arena.lender.next = t._mode.arena.lease.slot
+    stand_in.fails = fails
+    raised = BackendError if isinstance(fails, Exception) else KeyboardInterrupt
+    with pytest.raises(raised):
+        bt.prepare_inputs(*STEP)
+    raised = BackendError if isinstance(fails, Exception) else KeyboardInterrupt
+    with failing_launches(fails), pytest.raises(raised):
+        twin.prepare_inputs(*STEP)
+    depth = len(bt._mode.arena.lender.leases)
+    assert ring_state(bt) == ring_state(twin) and ring_state(bt)[1] == (bt._mode.arena.lease.slot + 1) % depth
+    assert bt._mode.arena.num_writes == twin._mode.arena.num_writes > 0
+
+
+@contextlib.contextmanager
+def failing_launches(fails: BaseException):
+    """Every `Launcher.launch` raises `fails` before launching (the Python path's launch failing)."""
+    original = Launcher.launch
+
+    def launch(self, *args, **kwargs):
+        raise fails
+
+    Launcher.launch = launch
+    try:
+        yield
+    finally:
+        Launcher.launch = original
 
 
 def test_a_failed_launch_leaves_every_write_staged_and_the_slot_free(staged):
@@ -266,9 +215,9 @@ def test_an_interrupt_lands_the_batch_exactly_when_its_kernel_ran(staged, when):
 def test_a_spec_whose_staged_part_is_unusable_is_named(staged):
     bt, _, stand_in = staged
     with pytest.raises(TypeError, match="staged.apply_w must be a positive int"):
-        _entry(bt, stand_in, apply_w=0)
+        new_entry(bt, stand_in, apply_w=0)
     with pytest.raises(TypeError, match="ArenaFields arena"):
-        _entry(bt, stand_in, arena=object())
+        new_entry(bt, stand_in, arena=object())
 
 
 def test_prepare_with_int64_inputs_and_padding_through_the_entry(staged):
@@ -285,3 +234,31 @@ def test_prepare_with_int64_inputs_and_padding_through_the_entry(staged):
     assert lease.keep is bt._mode.plan.desc and bt._mode.arena.lender.leases[lease.slot] is lease
     (key, *_), = stand_in.calls
     assert key[:7] == (I64, I64, I64, True, True, True, True) and key[-2:] == (I32, True)
+
+
+def test_a_head_of_another_length_is_refused_at_construction(staged):
+    """`spec.head` must hold the 12 no-batch arguments: the staged launch reads its first (found by review: an empty
+    one crashed the process)."""
+    bt, _, stand_in = staged
+    mode = bt._mode
+    spec = dataclasses.replace(mode.plan.launch_spec(), launcher=stand_in, head=())
+    with pytest.raises(TypeError, match="spec.head a tuple of 12"):
+        _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
+                             mode.outputs_guard, mode.failure, spec)  # fmt: skip
+
+
+def test_the_entrys_capture_test_is_the_one_a_fork_rebinds(staged, monkeypatch):
+    """The entry asks `multiwrite.capture` at each call, so that in a child forked after CUDA was initialized it
+    raises what every capture test there raises (found by review: it held torch's function, bound at import)."""
+    import multiwrite.capture as capture
+
+    bt, _, stand_in = staged
+
+    def forked():
+        raise capture.ForkedCudaError("forked after CUDA was initialized")
+
+    monkeypatch.setattr(capture, "_is_capturing", forked)
+    monkeypatch.setattr(capture, "_CUDA_BUILT", True)
+    with pytest.raises(capture.ForkedCudaError):
+        bt._mode.entry.prepare(*STEP)
+    assert stand_in.calls == []

@@ -199,3 +199,33 @@ def test_prepare_inputs_during_a_capture_is_refused_with_nothing_applied(device)
     torch.cuda.synchronize(device)
     for a, b in zip([*got[0], got[1]], [*want[0], want[1]], strict=True):
         assert torch.equal(a, b)
+
+
+def test_vllms_three_calls_with_staged_writes_are_the_entrys_and_match(device, monkeypatch):
+    """vLLM's pattern, 200 steps: staged writes, `apply_staged_writes()`, a gather and the slot mappings; ours through
+    the entry (the apply's Python path, `TritonPlan.apply`, only where the address check is due), the twin through the
+    Python path; the same outputs and tables after every step."""
+    from multiwrite.backends.triton.plan import TritonPlan
+
+    ours, twin = _pair(device)
+    python_path = []
+    original = TritonPlan.apply
+    monkeypatch.setattr(TritonPlan, "apply", lambda self: python_path.append(self is ours._mode.plan) or original(self))
+    rng = np.random.default_rng(29)
+    for i in range(200):
+        _stage_step(rng, [ours, twin])
+        idx, qsl, pos, nct, padded, tokens = _step(rng, device, torch.int32)
+        got, want = [], []
+        for bt, out in ((ours, got), (twin, want)):
+            bt.apply_staged_writes()
+            out.extend([*bt.gather_block_tables(idx, padded, num_computed_tokens=nct),
+                        bt.compute_slot_mappings(idx, qsl, pos, tokens)])  # fmt: skip
+            out[:] = [t.clone() for t in out]
+        torch.cuda.synchronize(device)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), i
+        for a, b in zip(ours.block_tables, twin.block_tables, strict=True):
+            assert torch.equal(a.tensor, b.tensor), i
+    # (ours on the Python path: the first apply of each variant (binding), and the calls whose address check is due)
+    assert sum(python_path) <= 2 + 600 // 63 + 1, sum(python_path)
+    assert python_path.count(False) >= 150
