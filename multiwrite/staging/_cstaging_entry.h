@@ -73,7 +73,8 @@ MW_INTERNAL int mw_entry_launch(StageEntry *self, PyObject *key, int gather, con
                                 const long long ptrs[5], long long n, long long padded, long long tokens,
                                 const LaunchHooks *hooks);
 
-/* Whether the current device is the tables': 1, 0 (another: not taken), -1 (error set: failure's). */
+/* Whether the current device is the tables': 1, 0 (another, or the query raised an Exception: not taken, the Python
+ * path asks again where it asks, after its hand-over), -1 (an interrupt, as raised). */
 MW_INTERNAL int mw_entry_current(StageEntry *self);
 /* fire(grid0, grid1, stream, args) on the current stream of the tables' device, counted on `launcher`, the countdown
  * counted, `hooks` around it: 1, or -1 with the error as raised (not yet failure's). */

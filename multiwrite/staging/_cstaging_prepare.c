@@ -34,6 +34,19 @@ static int released(PyObject *lease) {
     return l->done_addr == 0 || *(volatile int32_t *)l->done_addr == (int32_t)l->token;
 }
 
+/* Nothing lands: ring.next as land_after's release of the next lease leaves it (an error kept as it is). */
+static void step_back(Handover *h) {
+    if (h->back < 0)
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *back = PyLong_FromSsize_t(h->back);
+    if (back == NULL || PyObject_SetAttr(h->self->ring, s_next, back) < 0)
+        PyErr_WriteUnraisable(h->self->ring);
+    Py_XDECREF(back);
+    PyErr_Restore(type, value, tb);
+}
+
 /* SlotRing.hand_over: the token, `keep` referenced by the lease, the lease recorded as its slot's memory. */
 static int hand_over(void *ctx) {
     Handover *h = ctx;
@@ -42,14 +55,17 @@ static int hand_over(void *ctx) {
     if (PyObject_SetAttr((PyObject *)h->lease, s_keep, self->keep) < 0 ||
         PyList_SetItem(self->ring_leases, h->lease->slot, Py_NewRef((PyObject *)h->lease)) < 0) {
         *(volatile int32_t *)h->lease->done_addr = (int32_t)h->token; /* (SlotRing.launch_failed: free again) */
+        step_back(h);
         return -1;
     }
     return 0;
 }
 
-/* The arena lands on the next lease (StagingArena.land): nothing here fails but memory. */
+/* The arena lands on the next lease (StagingArena.land; an error kept as it is): nothing here fails but memory. */
 static void land(Handover *h) {
     StageEntry *self = h->self;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
     PyObject *next = PyLong_FromSsize_t(h->next);
     if (next == NULL || PyObject_SetAttr(self->ring, s_next, next) < 0)
         PyErr_WriteUnraisable(self->ring);
@@ -57,6 +73,7 @@ static void land(Handover *h) {
     mw_arena_adopt((ArenaFields *)self->arena, (LeaseFields *)h->nxt);
     if (mw_arena_clear((ArenaFields *)self->arena) < 0)
         PyErr_WriteUnraisable(self->arena);
+    PyErr_Restore(type, value, tb);
 }
 
 /* After the fire call: launched, count it and land; raised, what launch_on and land_after do with it. */
@@ -93,15 +110,11 @@ static void after_fire(void *ctx, int launched) {
             launches = h->launches;
         PyErr_Clear();
     }
-    if (launches != h->launches) {
-        land(h);
-    } else if (h->back >= 0) { /* (land_after's release of the next lease) */
-        PyObject *back = PyLong_FromSsize_t(h->back);
-        if (back == NULL || PyObject_SetAttr(self->ring, s_next, back) < 0)
-            PyErr_WriteUnraisable(self->ring);
-        Py_XDECREF(back);
-    }
     PyErr_Restore(type, value, tb);
+    if (launches != h->launches)
+        land(h);
+    else
+        step_back(h);
 }
 
 static const LaunchHooks *hooks_of(Handover *h, LaunchHooks *hooks) {

@@ -235,8 +235,10 @@ int mw_entry_current(StageEntry *self) {
     long long current;
     PyObject *noargs = NULL;
     int ok = mw_as_ll(PyObject_Vectorcall(self->get_device, &noargs, 0, NULL), &current);
-    if (ok < 0)
-        mw_entry_failure(self); /* (the Python path's launch asks for the device: its error is the job's) */
+    if (ok < 0 && PyErr_ExceptionMatches(PyExc_Exception)) { /* (the Python path asks again, after its hand-over) */
+        PyErr_Clear();
+        return 0;
+    }
     return ok <= 0 ? ok : current == self->index; /* (another device: the Python path switches to the tables') */
 }
 

@@ -262,3 +262,30 @@ def test_the_entrys_capture_test_is_the_one_a_fork_rebinds(staged, monkeypatch):
     with pytest.raises(capture.ForkedCudaError):
         bt._mode.entry.prepare(*STEP)
     assert stand_in.calls == []
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("CUDA error: device unavailable"), KeyboardInterrupt()],
+                         ids=["error", "interrupt"])  # fmt: skip
+def test_a_failing_device_query_leaves_every_call_to_the_python_path_with_nothing_done(staged, raised):
+    """torch's current-device query raising an `Exception` inside the entry: the call is not taken, nothing done
+    (no token, no countdown, no launch): the Python path asks again where it asks, after its hand-over, and raises
+    from there (found by review: the entry raised before the hand-over the Python path makes first). An interrupt
+    propagates as it is, nothing done."""
+    bt, _, stand_in = staged
+
+    def broken():
+        raise raised
+
+    entry = new_entry(bt, stand_in, get_device=broken)
+    idx, qsl, pos = STEP[:3]
+    before, left = ring_state(bt), bt._mode._countdown.left
+    calls = (lambda: entry.gather(idx, 2, None), lambda: entry.slots(idx, qsl, pos, 4, None),
+             lambda: entry.prepare(*STEP), entry.apply)  # fmt: skip
+    for call in calls:
+        if isinstance(raised, Exception):
+            assert call() is None
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                call()
+    assert ring_state(bt) == before and bt._mode._countdown.left == left
+    assert stand_in.calls == stand_in.apply.calls[1:] == []  # (`pair` applied its full rows through the entry)

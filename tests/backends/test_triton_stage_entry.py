@@ -298,23 +298,6 @@ def test_a_failed_reinitialization_leaves_the_entry_as_it_was(tables):
         type(entry).__new__(type(entry)).gather(torch.tensor([1], dtype=I32), 1, None)
 
 
-def test_a_failing_device_query_is_raised_as_the_jobs_failure(tables, monkeypatch):
-    """torch's current-device query failing inside the entry is raised as a launch failure is on the Python path: the
-    `BackendError` naming the backend, from the query's error; nothing launched."""
-    bt, stand_in = tables
-    mode = bt._mode
-
-    def broken():
-        raise RuntimeError("CUDA error: device unavailable")
-
-    spec = dataclasses.replace(mode.plan.launch_spec(), launcher=stand_in, device_index=-1, get_device=broken)
-    mode.entry.__init__(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
-                        mode.outputs_guard, mode.failure, spec)  # fmt: skip
-    with pytest.raises(BackendError, match="triton-cuda") as info:
-        bt.gather_block_tables(torch.tensor([1], dtype=I32), 1)
-    assert "device unavailable" in str(info.value.__cause__) and stand_in.calls == []
-
-
 def test_a_plan_returning_something_else_than_a_launch_spec_is_named(monkeypatch):
     monkeypatch.setattr(TritonPlan, "stage_launch_spec", lambda self: {"launcher": None})
     with pytest.raises(TypeError, match="stage_launch_spec\\(\\) must return a StageLaunchSpec or None"):

@@ -178,10 +178,12 @@ def addresses(bt: BlockTables) -> dict[int, str]:
 
 
 def ring_state(bt: BlockTables, tokens: bool = True) -> tuple:
-    """The slot the arena stages into, the ring's next slot, the writes staged, each slot's (token, launches)."""
+    """The slot the arena stages into, the ring's next slot, the writes staged, each slot's (token, launches, whether
+    it keeps the tables' descriptors alive)."""
     arena = bt._mode.arena
     ring = arena.lender
-    slots = [(lease.token if tokens else None, lease.launches) for lease in ring.leases]
+    desc = bt._mode.plan.desc
+    slots = [(lease.token if tokens else None, lease.launches, lease.keep is desc) for lease in ring.leases]
     return arena.lease.slot, ring.next, arena.num_writes, slots
 
 
