@@ -19,12 +19,33 @@ from multiwrite.backends.triton.ring import SlotRing
 from multiwrite.capture import settle, setup_calls
 from multiwrite.plugins.backend import WriteBatch
 from multiwrite.staging.arena import Lease, overlap_rounds
+from multiwrite.staging.fields import _cstaging
 from multiwrite.staging.table import self_overlaps
 
 #: The apply kernel's preloaded batch size, as a plain int.
 _PRELOADED = apply.PRELOADED_VALUES.value
 #: Descriptor tables of `WriteBatch` applies kept per device (each `[num_tables, 5]` int64 on the device).
 DESCRIPTOR_CACHE_SIZE = 64
+
+
+def py_apply_grid(num_writes: int, num_values: int, rounds: int, tiling: tuple[int, int, int, int, int],
+                  max_programs: int) -> tuple[int, int]:
+    """`(tiles, column splits)`: the apply programs of a batch of `num_writes` writes and `num_values` values in
+    `rounds` overlap rounds, `tiling = (decode_w, tile_w, preloaded, tile_l, max_splits)`. Overlapping rounds: one
+    program (it applies them in order). A decode batch (`num_values <= preloaded`): tiles of `decode_w` writes,
+    unsplit. Else tiles of `tile_w` writes, each split into runs of `tile_l` cells, at most `max_splits` and
+    `max_programs` programs in all. `apply_grid` is `_cstaging.apply_grid` where that helper is built (the compiled
+    stage entry tiles with the same C function), else this twin."""
+    if rounds > 1:
+        return 1, 1
+    decode_w, tile_w, preloaded, tile_l, max_splits = tiling
+    if num_values <= preloaded:
+        return -(-num_writes // decode_w), 1
+    tiles = -(-num_writes // tile_w)
+    return tiles, max(1, min(-(-num_values // tile_l), max_splits, max_programs // max(tiles, 1)))
+
+
+apply_grid = py_apply_grid if _cstaging is None else _cstaging.apply_grid
 
 
 class LaunchParams(NamedTuple):
@@ -104,6 +125,8 @@ class TritonDevice:
             raise ValueError(f"launcher={launcher!r} (supported: auto, run, jit)")
         self.device = device
         self.params = params
+        #: The apply kernel's tiling (`apply_grid`): decode tiles, tiles, the values it preloads, cells, splits.
+        self.apply_tiling = (params.decode_block_w, params.block_w, _PRELOADED, params.block_l, params.max_splits)
         self._apply_consts: dict[tuple, dict] = {}  # the apply variants and their constexprs
         self.depth = depth
         self.launcher = launcher
@@ -282,14 +305,8 @@ class TritonDevice:
         """One launch of the apply kernel on the batch of `w` writes and `v` values in `lease` (`rounds` overlap
         rounds, their bounds in the lease), through `launch_on`."""
         p = self.params
-        if rounds > 1:
-            grid0 = grid1 = 1
-        elif v <= _PRELOADED:  # a decode step: many short writes, one program
-            grid0, grid1 = (w + p.decode_block_w - 1) // p.decode_block_w, 1
-        else:
-            grid0 = (w + p.block_w - 1) // p.block_w
-            grid1 = max(1, min((v + p.block_l - 1) // p.block_l, p.max_splits, self.max_programs // grid0))
-        decode = rounds == 1 and v <= _PRELOADED
+        grid0, grid1 = apply_grid(w, v, rounds, self.apply_tiling, self.max_programs)
+        decode = rounds == 1 and v <= _PRELOADED  # (a decode step: many short writes, one program per tile)
         variant = (np.dtype(np_dtype).char, decode)
         consts = self._apply_consts.get(variant)
         if consts is None:  # (per device: the launch parameters are the backend's)

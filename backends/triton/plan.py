@@ -14,8 +14,7 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from multiwrite.backends.triton.device import Descriptors, TritonDevice, descriptor_rows
-from multiwrite.backends.triton.kernels import apply as apply_kernel
+from multiwrite.backends.triton.device import Descriptors, TritonDevice, apply_grid, descriptor_rows
 from multiwrite.backends.triton.kernels import stage
 from multiwrite.backends.triton.launcher import get_device, get_stream
 from multiwrite.capture import current_stream_capturing, settle
@@ -31,6 +30,8 @@ TL_INDEX = {torch.int32: tl.int32, torch.int64: tl.int64}
 APPLY_W, APPLY_L, PRELOADED = stage.APPLY_W.value, stage.APPLY_L.value, stage.PRELOADED_VALUES.value
 #: Column splits of one apply tile at most.
 MAX_APPLY_SPLITS = 64
+#: The stage kernel's apply programs' tiling (`apply_grid`): one tile width for decode batches and others.
+STAGE_TILING = (APPLY_W, APPLY_W, PRELOADED, APPLY_L, MAX_APPLY_SPLITS)
 
 
 class TritonPlan(GraphPlan):
@@ -161,14 +162,7 @@ class TritonPlan(GraphPlan):
             if pdl:
                 return launcher.launch(key, consts, grid0, 1, args, jit=True, launch_pdl=True)
             return launcher.launch(key, consts, grid0, 1, args)
-        if rounds > 1:
-            tiles = splits = 1
-        else:
-            tiles = (w + APPLY_W - 1) // APPLY_W
-            splits = (
-                1 if v <= PRELOADED
-                else max(1, min((v + APPLY_L - 1) // APPLY_L, MAX_APPLY_SPLITS, device.max_programs // tiles))
-            )
+        tiles, splits = apply_grid(w, v, rounds, STAGE_TILING, device.max_programs)
         device.launch_on(lease, launcher, key, consts, grid0 + tiles * splits, 1,
                          (self._sdesc_addr, lease.meta_addr, lease.values_addr, lease.bounds_addr),
                          (w, v, rounds, tiles, tiles * splits, *tail), self.desc)  # fmt: skip
@@ -195,11 +189,9 @@ class TritonPlan(GraphPlan):
         layout = self.layout
         mnbt = layout.max_num_batched_tokens
         device, arena = self.device, self.arena
-        p = device.params
-        apply_sizes = (apply_kernel.PRELOADED_VALUES.value, p.decode_block_w, p.block_w, p.block_l, p.max_splits)
-        staged = StagedLaunchSpec(arena, arena.lender, self.desc, device.resolve, current_stream_capturing, APPLY_W,
-                                  APPLY_L, PRELOADED, MAX_APPLY_SPLITS, device.max_programs, device.apply_launcher,
-                                  np.dtype(np.int32).char, apply_sizes)  # fmt: skip
+        staged = StagedLaunchSpec(arena, arena.lender, self.desc, device.resolve, current_stream_capturing,
+                                  STAGE_TILING, device.apply_tiling, device.max_programs, device.apply_launcher,
+                                  np.dtype(np.int32).char)  # fmt: skip
         return StageLaunchSpec(
             device.stage_launcher, device.index, get_device, get_stream, layout, layout.max_num_reqs,
             -1 if mnbt is None else mnbt, self._groups, self.splits, self._no_batch, self._fallback, *self._cp,

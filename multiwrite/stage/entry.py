@@ -38,11 +38,12 @@ class StagedLaunchSpec:
         keep: what each launch on a slot keeps alive until the slot is released (the apply's descriptors).
         resolve: `resolve(lease, token)` after an interrupt around a launch (`TritonDevice.resolve`).
         is_capturing: whether the current CUDA stream is capturing (a C function of torch).
-        apply_w, apply_l, preloaded, max_splits, max_programs: the apply programs' tiling (`TritonPlan._stage`).
+        stage_tiling, apply_tiling: the tilings of the stage kernel's apply programs (`TritonPlan._stage`) and of
+            the apply kernel (`TritonDevice.launch_apply`): `(decode_w, tile_w, preloaded, tile_l, max_splits)`, the
+            entry's grids computed by the same function as theirs (`multiwrite.backends.triton.device.apply_grid`).
+        max_programs: the apply programs in flight at most.
         apply_launcher: the apply kernel's `Launcher` (`apply`: its variants `(values_char, decode)`).
         values_char: the numpy dtype char of the staged values.
-        apply_sizes: the apply kernel's (values it preloads, decode tile writes, tile writes, tile cells, column splits
-            at most), as `TritonDevice.launch_apply` tiles a batch.
     """
 
     arena: Any
@@ -50,14 +51,11 @@ class StagedLaunchSpec:
     keep: Any
     resolve: Callable[[Any, int], None]
     is_capturing: Callable[[], bool]
-    apply_w: int
-    apply_l: int
-    preloaded: int
-    max_splits: int
+    stage_tiling: tuple[int, int, int, int, int]
+    apply_tiling: tuple[int, int, int, int, int]
     max_programs: int
     apply_launcher: Any
     values_char: str
-    apply_sizes: tuple[int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -130,4 +128,4 @@ def stage_entry(owner: Any, countdown: Any, guard: Any, outputs: Any, failure: C
         return None
     if not isinstance(spec, StageLaunchSpec):
         raise TypeError(f"TablesPlan.stage_launch_spec() must return a StageLaunchSpec or None, got {spec!r}")
-    return _cstaging.StageEntry(owner, countdown, guard.base, guard, outputs.base, outputs, failure, spec)
+    return _cstaging.StageEntry(owner, countdown, guard, outputs, failure, spec)

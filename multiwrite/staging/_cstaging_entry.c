@@ -17,14 +17,13 @@ static int spec_ll(PyObject *spec, const char *name, long long *out) {
 #define ENTRY_REFS (22 + STAGED_REFS)
 
 static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"owner", "countdown", "storage", "guard", "outputs", "outputs_guard", "failure",
-                               "spec", NULL};
-    PyObject *given[8], *spec;
+    static char *keywords[] = {"owner", "countdown", "guard", "outputs_guard", "failure", "spec", NULL};
+    PyObject *given[5], *spec;
     if (mw_entry_names() < 0 ||
-        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOOOO:StageEntry", keywords, &given[0], &mw_CountdownType,
-                                     &given[1], &given[2], &given[3], &given[4], &given[5], &given[6], &spec))
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OOOO:StageEntry", keywords, &given[0], &mw_CountdownType,
+                                     &given[1], &given[2], &given[3], &given[4], &spec))
         return -1;
-    if (!PyCallable_Check(given[6])) {
+    if (!PyCallable_Check(given[4])) {
         PyErr_SetString(PyExc_TypeError, "StageEntry: failure must be callable");
         return -1;
     }
@@ -32,9 +31,17 @@ static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
     static const char *const names[] = {"launcher", "get_device", "get_stream", "layout", "tensor_type", "int32",
                                         "int64", "boolean", "cp_size", "cp_interleave", "head"};
     PyObject *got[ENTRY_REFS] = {NULL};
-    for (int i = 0; i < 7; i++)
-        got[i] = Py_NewRef(given[i]);
-    int ok = 0;
+    /* owner, countdown, the tables guard's base (the storage it checks) and the guard, the same of the outputs'
+     * guard, failure */
+    got[0] = Py_NewRef(given[0]);
+    got[1] = Py_NewRef(given[1]);
+    got[3] = Py_NewRef(given[2]);
+    got[5] = Py_NewRef(given[3]);
+    got[6] = Py_NewRef(given[4]);
+    int ok = (got[2] = PyObject_GetAttrString(given[2], "base")) == NULL ||
+                     (got[4] = PyObject_GetAttrString(given[3], "base")) == NULL
+                 ? -1
+                 : 0;
     for (int i = 0; i < 11 && ok == 0; i++)
         ok = (got[7 + i] = PyObject_GetAttrString(spec, names[i])) == NULL ? -1 : 0;
     /* then launcher.fire, layout.gathered_views, layout.slot_views and the device index as an int */
@@ -86,11 +93,12 @@ static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
     self->splits = splits;
     self->fallback = fallback;
     self->window = window;
-    long long *ints[STAGED_INTS] = {&self->apply_w, &self->apply_l, &self->preloaded, &self->max_splits,
-                                    &self->max_programs, &self->apply_preloaded, &self->decode_block_w, &self->block_w,
-                                    &self->block_l, &self->apply_max_splits, &self->desc_addr, &self->num_tables};
-    for (int i = 0; i < STAGED_INTS; i++)
-        *ints[i] = staged[i];
+    /* (in the struct's order: the stage tiling, the apply tiling, max_programs, desc_addr, num_tables) */
+    memcpy(self->stage_tiling, staged, sizeof(self->stage_tiling));
+    memcpy(self->apply_tiling, staged + 5, sizeof(self->apply_tiling));
+    self->max_programs = staged[10];
+    self->desc_addr = staged[11];
+    self->num_tables = staged[12];
     return 0;
 }
 
@@ -154,7 +162,7 @@ static PyMethodDef entry_methods[] = {
 
 PyTypeObject mw_StageEntryType = {
     MW_TYPE_HEAD("StageEntry", StageEntry, entry, Py_TPFLAGS_HAVE_GC,
-                 "StageEntry(owner, countdown, storage, guard, outputs, outputs_guard, failure, spec): an eager\n"
+                 "StageEntry(owner, countdown, guard, outputs_guard, failure, spec): an eager\n"
                  "gather or slot-mapping call checked and launched in one C call, or None where the Python path\n"
                  "must run (multiwrite/stage/entry.py)."),
     .tp_new = PyType_GenericNew,

@@ -10,7 +10,7 @@
 
 typedef struct {
     PyObject_HEAD
-    /* the preamble's: the mode (its dirty_rows), its countdown, the guarded tensors and their guards */
+    /* the preamble's: the mode (its dirty_rows), its countdown, the guards' bases (guard.base) and guards */
     PyObject *owner, *countdown, *storage, *guard, *outputs, *outputs_guard, *failure;
     /* the launch's (StageLaunchSpec) */
     PyObject *launcher, *fire, *get_device, *get_stream, *index_obj, *layout, *gathered_views, *slot_views;
@@ -22,10 +22,9 @@ typedef struct {
     /* the apply kernel's (apply): its Launcher, that one's fire dict and the variant keys (values dtype, decode) */
     PyObject *apply_launcher, *apply_fire, *apply_keys[2];
     long long index, max_num_reqs, max_num_batched_tokens, groups, splits, fallback;
-    /* the staged launch's tiling (the stage kernel's apply programs), then the apply kernel's: values it preloads,
-     * tile sizes (decode tiles, others), column splits at most, and the descriptors' address and tables */
-    long long apply_w, apply_l, preloaded, max_splits, max_programs;
-    long long apply_preloaded, decode_block_w, block_w, block_l, apply_max_splits, desc_addr, num_tables;
+    /* the tilings (mw_apply_grid) of the stage kernel's apply programs and of the apply kernel, the programs in
+     * flight at most, and the apply descriptors' address and tables */
+    long long stage_tiling[5], apply_tiling[5], max_programs, desc_addr, num_tables;
     int window;
 } StageEntry;
 
@@ -91,6 +90,6 @@ MW_INTERNAL PyObject *mw_entry_apply(StageEntry *self, PyObject *unused);
  * its ints (STAGED_INTS, in the struct's order); 0, or -1 (error set, got holding what was read). */
 MW_INTERNAL int mw_entry_read_staged(PyObject *spec, PyObject **got, long long *ints);
 #define STAGED_REFS 12
-#define STAGED_INTS 12
+#define STAGED_INTS 13
 
 #endif

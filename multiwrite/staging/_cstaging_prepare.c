@@ -178,18 +178,12 @@ static int staged_lead(StageEntry *self, Handover *h, long long w, long long v, 
         ok = mw_as_ll(Py_NewRef(PyTuple_GET_ITEM(self->head, 0)), &sdesc);
     if (ok <= 0)
         return ok;
-    const long long tiles = (w + self->apply_w - 1) / self->apply_w;
-    long long splits = 1;
-    if (v > self->preloaded) {
-        splits = (v + self->apply_l - 1) / self->apply_l;
-        splits = splits < self->max_splits ? splits : self->max_splits;
-        splits = splits < self->max_programs / tiles ? splits : self->max_programs / tiles;
-        splits = splits > 1 ? splits : 1;
-    }
+    long long grid[2];
+    mw_apply_grid(w, v, 1, self->stage_tiling, self->max_programs, grid);
     const long long words[12] = {sdesc, h->lease->meta_addr, h->lease->values_addr, h->lease->bounds_addr, counter,
-                                 h->lease->done_addr, h->token, w, v, 1, tiles, tiles * splits};
+                                 h->lease->done_addr, h->token, w, v, 1, grid[0], grid[0] * grid[1]};
     memcpy(lead, words, sizeof(words));
-    *extra = tiles * splits;
+    *extra = grid[0] * grid[1];
     return 1;
 }
 
@@ -279,28 +273,20 @@ PyObject *mw_entry_apply(StageEntry *self, PyObject *unused) {
     ArenaFields *arena = (ArenaFields *)self->arena;
     const long long w = arena->num_writes, v = arena->num_values;
     Handover h = {self, NULL, NULL, 0, -1, 0, 0};
-    long long counter = 0, grid0, grid1 = 1;
+    long long counter = 0, grid[2];
     int ok = mw_entry_preamble(self, 0);
     if (ok > 0 && (ok = not_capturing(self)) > 0 && (ok = staged_slot(self, &h, &counter)) > 0)
         ok = mw_entry_current(self);
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
-    const int decode = v <= self->apply_preloaded; /* (a decode step: many short writes, one program) */
-    if (decode) {
-        grid0 = (w + self->decode_block_w - 1) / self->decode_block_w;
-    } else {
-        grid0 = (w + self->block_w - 1) / self->block_w;
-        grid1 = (v + self->block_l - 1) / self->block_l;
-        grid1 = grid1 < self->apply_max_splits ? grid1 : self->apply_max_splits;
-        grid1 = grid1 < self->max_programs / grid0 ? grid1 : self->max_programs / grid0;
-        grid1 = grid1 > 1 ? grid1 : 1;
-    }
+    const int decode = v <= self->apply_tiling[2]; /* (TritonDevice.launch_apply's variant) */
+    mw_apply_grid(w, v, 1, self->apply_tiling, self->max_programs, grid);
     PyObject *fire = PyDict_GetItemWithError(self->apply_fire, self->apply_keys[decode]);
     if (fire == NULL || fire == Py_None)
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     const long long words[11] = {self->desc_addr, h.lease->meta_addr, h.lease->values_addr, h.lease->bounds_addr,
                                  counter, h.lease->done_addr, h.token, self->num_tables, w, v, 1};
-    PyObject *args = PyTuple_New(11), *g0 = PyLong_FromLongLong(grid0), *g1 = PyLong_FromLongLong(grid1);
+    PyObject *args = PyTuple_New(11), *g0 = PyLong_FromLongLong(grid[0]), *g1 = PyLong_FromLongLong(grid[1]);
     ok = args != NULL && g0 != NULL && g1 != NULL ? 0 : -1;
     for (int i = 0; i < 11 && ok == 0; i++) {
         PyObject *item = PyLong_FromLongLong(words[i]);
@@ -340,7 +326,7 @@ int mw_entry_read_staged(PyObject *spec, PyObject **got, long long *ints) {
         return 0;
     }
     /* got: arena, ring, its leases, succ and counter_addrs, keep, resolve, is_capturing, apply_launcher, its fire,
-     * the two apply keys; ints: the stage kernel's apply tiling, spec.staged.apply_sizes, keep.addr, keep.num_tables */
+     * the two apply keys; ints: spec.staged.stage_tiling, apply_tiling and max_programs, keep.addr, keep.num_tables */
     static const char *const names[] = {"arena", "ring", "keep", "resolve", "is_capturing", "apply_launcher"};
     static const int where[] = {0, 1, 5, 6, 7, 8};
     int ok = 0;
@@ -349,28 +335,35 @@ int mw_entry_read_staged(PyObject *spec, PyObject **got, long long *ints) {
     static const char *const lists[] = {"leases", "succ", "counter_addrs"};
     for (int i = 0; i < 3 && ok == 0; i++)
         ok = (got[2 + i] = PyObject_GetAttrString(got[1], lists[i])) == NULL ? -1 : 0;
-    PyObject *chr = NULL, *sizes = NULL;
+    PyObject *chr = NULL, *tilings[2] = {NULL, NULL};
     if (ok == 0 && ((got[9] = PyObject_GetAttrString(got[8], "fire")) == NULL ||
                     (chr = PyObject_GetAttrString(staged, "values_char")) == NULL ||
                     (got[10] = PyTuple_Pack(2, chr, Py_False)) == NULL ||
                     (got[11] = PyTuple_Pack(2, chr, Py_True)) == NULL ||
-                    (sizes = PyObject_GetAttrString(staged, "apply_sizes")) == NULL))
+                    (tilings[0] = PyObject_GetAttrString(staged, "stage_tiling")) == NULL ||
+                    (tilings[1] = PyObject_GetAttrString(staged, "apply_tiling")) == NULL))
         ok = -1;
     Py_XDECREF(chr);
-    static const char *const named[] = {"apply_w", "apply_l", "preloaded", "max_splits", "max_programs"};
-    const int sized = sizes != NULL && PyTuple_Check(sizes) && PyTuple_GET_SIZE(sizes) == 5;
+    static const char *const named[] = {"stage_tiling", "apply_tiling", "max_programs", "keep"};
     for (int i = 0; i < STAGED_INTS && ok == 0; i++) {
-        PyObject *value = i < 5    ? PyObject_GetAttrString(staged, named[i])
-                          : i < 10 ? Py_NewRef(sized ? PyTuple_GET_ITEM(sizes, i - 5) : Py_None)
-                                   : PyObject_GetAttrString(got[5], i == 10 ? "addr" : "num_tables");
+        const int which = i < 10 ? i / 5 : i == 10 ? 2 : 3; /* (the name above the int comes from) */
+        PyObject *tiling = which < 2 ? tilings[which] : NULL, *value;
+        if (which < 2)
+            value = PyTuple_Check(tiling) && PyTuple_GET_SIZE(tiling) == 5 ? Py_NewRef(PyTuple_GET_ITEM(tiling, i % 5))
+                                                                            : Py_NewRef(Py_None);
+        else
+            value = which == 2 ? PyObject_GetAttrString(staged, "max_programs")
+                               : PyObject_GetAttrString(got[5], i == 11 ? "addr" : "num_tables");
         int got_int = mw_as_ll(value, &ints[i]);
         if (got_int == 0 || (got_int > 0 && ints[i] < 1))
-            PyErr_Format(PyExc_TypeError, "StageEntry: spec.staged.%s must be %s",
-                         i < 5 ? named[i] : i < 10 ? "apply_sizes" : "keep",
-                         i < 5 ? "a positive int" : i < 10 ? "five positive ints" : "descriptors (addr, num_tables)");
+            PyErr_Format(PyExc_TypeError, "StageEntry: spec.staged.%s must be %s", named[which],
+                         which < 2    ? "a tuple of five positive ints"
+                         : which == 2 ? "a positive int"
+                                      : "descriptors (addr, num_tables)");
         ok = got_int > 0 && ints[i] >= 1 ? 0 : -1;
     }
-    Py_XDECREF(sizes);
+    Py_XDECREF(tilings[0]);
+    Py_XDECREF(tilings[1]);
     if (ok == 0 && !(PyObject_TypeCheck(got[0], &mw_ArenaFieldsType) && PyList_Check(got[2]) && PyList_Check(got[3]) &&
                      PyList_Check(got[4]) && PyCallable_Check(got[6]) && PyCallable_Check(got[7]) &&
                      PyDict_Check(got[9]))) {

@@ -2,7 +2,7 @@
  * multiwrite.staging._cstaging, part: StageEntry's gather and slots, an eager gather or slot-mapping call in one C
  * call, and what every call of the entry shares (the preamble, the inputs, the launch); the type is _cstaging_entry.c's.
  *
- * StageEntry(owner, countdown, storage, guard, outputs, outputs_guard, failure, spec) sits in front of the one Python
+ * StageEntry(owner, countdown, guard, outputs_guard, failure, spec) sits in front of the one Python
  * path of a `BlockTables` stage call that applies nothing (multiwrite/tables/mode.py, TablesMode.stage_call): its
  * gather(idx, num_reqs_padded, num_computed_tokens) and slots(idx, query_start_loc, positions, num_tokens_padded,
  * is_padding) return None, having done nothing, unless every precondition of the common case holds: the countdown of

@@ -9,7 +9,6 @@ kernel ran."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import numpy as np
 import pytest
@@ -214,8 +213,12 @@ def test_an_interrupt_lands_the_batch_exactly_when_its_kernel_ran(staged, when):
 
 def test_a_spec_whose_staged_part_is_unusable_is_named(staged):
     bt, _, stand_in = staged
-    with pytest.raises(TypeError, match="staged.apply_w must be a positive int"):
-        new_entry(bt, stand_in, apply_w=0)
+    with pytest.raises(TypeError, match="staged.stage_tiling must be a tuple of five positive ints"):
+        new_entry(bt, stand_in, stage_tiling=(16, 16, 0, 64, 64))
+    with pytest.raises(TypeError, match="staged.apply_tiling must be a tuple of five positive ints"):
+        new_entry(bt, stand_in, apply_tiling=(16, 16, 256, 64))
+    with pytest.raises(TypeError, match="staged.max_programs must be a positive int"):
+        new_entry(bt, stand_in, max_programs=0)
     with pytest.raises(TypeError, match="ArenaFields arena"):
         new_entry(bt, stand_in, arena=object())
 
@@ -240,11 +243,8 @@ def test_a_head_of_another_length_is_refused_at_construction(staged):
     """`spec.head` must hold the 12 no-batch arguments: the staged launch reads its first (found by review: an empty
     one crashed the process)."""
     bt, _, stand_in = staged
-    mode = bt._mode
-    spec = dataclasses.replace(mode.plan.launch_spec(), launcher=stand_in, head=())
     with pytest.raises(TypeError, match="spec.head a tuple of 12"):
-        _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
-                             mode.outputs_guard, mode.failure, spec)  # fmt: skip
+        new_entry(bt, stand_in, spec_changes={"head": ()})
 
 
 def test_the_entrys_capture_test_is_the_one_a_fork_rebinds(staged, monkeypatch):

@@ -21,7 +21,7 @@ from multiwrite.backends.triton.launcher import Launcher
 from multiwrite.backends.triton.plan import TritonPlan
 from multiwrite.reference import gather_block_tables_reference
 from multiwrite.staging.fields import _cstaging
-from tests.support.stage_entry import GROUPS, I32, I64, engine_steps, entry_tables, stage_rows
+from tests.support.stage_entry import GROUPS, I32, I64, engine_steps, entry_tables, new_entry, stage_rows
 
 pytestmark = pytest.mark.skipif(_cstaging is None, reason="the compiled staging helper is not built")
 
@@ -155,11 +155,8 @@ def test_every_precondition_sends_the_call_to_the_python_path_with_nothing_done(
 def test_another_current_device_sends_the_call_to_the_python_path(tables):
     """With another device current the entry does nothing (the Python path switches to the tables' device)."""
     bt, stand_in = tables
-    mode, current = bt._mode, [0]
-    spec = dataclasses.replace(mode.plan.launch_spec(), launcher=stand_in, device_index=-1,
-                               get_device=lambda: current[0])  # fmt: skip
-    entry = _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
-                                 mode.outputs_guard, mode.failure, spec)  # fmt: skip
+    current = [0]
+    entry = new_entry(bt, stand_in, get_device=lambda: current[0])
     idx, qsl, pos = torch.tensor([2, 0], dtype=I32), torch.tensor([0, 2, 3], dtype=I32), torch.tensor([5, 6, 1])
     assert entry.gather(idx, 2, None) is None and entry.slots(idx, qsl, pos, 4, None) is None
     assert stand_in.calls == []
@@ -291,8 +288,7 @@ def test_a_failed_reinitialization_leaves_the_entry_as_it_was(tables):
     mode, entry = bt._mode, bt._mode.entry
     bad = dataclasses.replace(mode.plan.launch_spec(), layout=object())
     with pytest.raises(AttributeError, match="gathered_views"):
-        entry.__init__(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base, mode.outputs_guard,
-                       mode.failure, bad)  # fmt: skip
+        entry.__init__(mode, mode._countdown, mode.guard, mode.outputs_guard, mode.failure, bad)
     assert entry.gather(torch.tensor([1], dtype=I32), 1, None) is not None and len(stand_in.calls) == 1
     with pytest.raises(TypeError, match="not initialized"):
         type(entry).__new__(type(entry)).gather(torch.tensor([1], dtype=I32), 1, None)
@@ -306,15 +302,12 @@ def test_a_plan_returning_something_else_than_a_launch_spec_is_named(monkeypatch
 
 def test_a_failure_function_that_raises_keeps_the_launch_error_as_its_context(tables):
     bt, stand_in = tables
-    mode = bt._mode
     stand_in.fails = RuntimeError("launch failed")
 
     def failure(exc):
         raise ValueError("failure() broke")
 
-    spec = dataclasses.replace(mode.plan.launch_spec(), launcher=stand_in, device_index=-1, get_device=lambda: -1)
-    entry = _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
-                                 mode.outputs_guard, failure, spec)  # fmt: skip
+    entry = new_entry(bt, stand_in, failure=failure)
     with pytest.raises(ValueError, match="failure\\(\\) broke") as info:
         entry.gather(torch.tensor([1], dtype=I32), 1, None)
     assert info.value.__context__ is stand_in.fails

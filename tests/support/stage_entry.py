@@ -269,14 +269,15 @@ def staged_pair(monkeypatch) -> tuple:
     return bt, twin, stand_in
 
 
-def new_entry(bt: BlockTables, stand_in: StandInLauncher, get_device=lambda: -1, staged: bool = True, **changes):
-    """A new `_cstaging.StageEntry` over `bt`'s mode on the stand-ins, its spec's `get_device` and the `changes` of
-    its staged part replaced (`staged=False`: none)."""
+def new_entry(bt: BlockTables, stand_in: StandInLauncher, get_device=lambda: -1, staged: bool = True, failure=None,
+              spec_changes: dict | None = None, **changes):
+    """A new `_cstaging.StageEntry` over `bt`'s mode on the stand-ins, its spec's `get_device`, `spec_changes` and
+    the `changes` of its staged part replaced (`staged=False`: none; `failure`: the mode's by default)."""
     from multiwrite.staging.fields import _cstaging
 
     mode = bt._mode
     spec = mode.plan.launch_spec()
     part = dataclasses.replace(spec.staged, apply_launcher=stand_in.apply, **changes) if staged else None
-    spec = dataclasses.replace(spec, launcher=stand_in, device_index=-1, get_device=get_device, staged=part)
-    return _cstaging.StageEntry(mode, mode._countdown, mode.guard.base, mode.guard, mode.outputs_guard.base,
-                                mode.outputs_guard, mode.failure, spec)  # fmt: skip
+    spec = dataclasses.replace(spec, launcher=stand_in, device_index=-1, get_device=get_device, staged=part,
+                               **(spec_changes or {}))  # fmt: skip
+    return _cstaging.StageEntry(mode, mode._countdown, mode.guard, mode.outputs_guard, failure or mode.failure, spec)
