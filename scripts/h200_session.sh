@@ -47,7 +47,8 @@ for part in $parts; do
     old) old_tree && for t in ${OLD_TESTS:-}; do mkdir -p "/tmp/old/$(dirname "$t")"; cp "$t" "/tmp/old/$t"; done && \
          (cd /tmp/old && PYTHONPATH=/tmp/old timeout ${OLD_S:-180} python3 -m pytest -q -rfE -p no:cacheprovider \
           ${OLD_TESTS:-}) >"$out/old.log" 2>&1 ;;
-    costs) PYTHONPATH=$PWD timeout 240 python3 scripts/stage_host_costs.py --profile ${PROFILE_N:-14} >"$out/costs.log" 2>&1 ;;
+    costs) PYTHONPATH=$PWD timeout 240 python3 scripts/stage_host_costs.py --profile ${PROFILE_N:-14} \
+              --configs ${COSTS_CONFIGS:-G3} >"$out/costs.log" 2>&1 ;;
     oldcosts) old_tree && (cd /tmp/old && PYTHONPATH=/tmp/old timeout 240 python3 scripts/stage_host_costs.py \
               --profile ${PROFILE_N:-14}) >"$out/oldcosts.log" 2>&1 ;;
     *) echo "unknown part $part"; continue ;;

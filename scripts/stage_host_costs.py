@@ -4,6 +4,10 @@ launch of the stage kernel through its bound fast launcher (no multiwrite Python
 then one cProfile pass per design, its top functions by internal time.
 
     PYTHONPATH=$PWD python scripts/stage_host_costs.py [--steps 300] [--concurrency 40 256] [--profile 25]
+        [--configs G3 G20]
+
+Graph mode's designs time staging + `commit_staged_writes` ("calls"); their replay runs untimed, before the
+synchronize.
 
 Figures: medians over the decode steps after the warm-up, us. Read them as ratios within one run. The designs run in
 a fixed order after each synchronize (the first meets the coldest caches), unlike `bench --stage`, which rotates.
@@ -32,11 +36,11 @@ import torch
 from multiwrite.backends.triton.launcher import get_stream
 from multiwrite.bench.groups import STAGE_CONFIGS
 from multiwrite.bench.launch import empty_launcher
-from multiwrite.bench.stage_designs import Ours, OursBatched, StepBuffers, VllmThreeCalls
+from multiwrite.bench.stage_designs import GraphMode, GraphModeBatched, Ours, OursBatched, StepBuffers, VllmThreeCalls
 from multiwrite.environment import synchronize
 from multiwrite.workload import TOKEN_BUDGET, load_trace, replay_schedule
 
-DESIGNS = (OursBatched, Ours, VllmThreeCalls)
+DESIGNS = (OursBatched, Ours, VllmThreeCalls, GraphMode, GraphModeBatched)
 
 
 def recorded_gather(bt, x: StepBuffers):
@@ -69,16 +73,17 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[40, 256])
     p.add_argument("--profile", type=int, default=25, help="top N functions of each design's cProfile pass (0: none)")
     p.add_argument("--backend", default=None)
+    p.add_argument("--configs", nargs="+", default=["G3"], help="KV-cache group configurations (G3, G11, G20, ...)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     trace = load_trace()
     empty = empty_launcher(device) if device.type == "cuda" else (lambda: None)
     clock = time.perf_counter_ns
-    bs, _ = STAGE_CONFIGS["G3"]
-    for c in args.concurrency:
+    for config, c in [(config, c) for config in args.configs for c in args.concurrency]:
+        bs, _ = STAGE_CONFIGS[config]
         schedule = list(replay_schedule(trace, bs, c, args.steps))
         measured = {i for i, step in enumerate(schedule) if i >= args.warmup and step.is_decode}
-        designs = [d(device, args.backend, c, TOKEN_BUDGET) for d in DESIGNS]
+        designs = [d(device, args.backend, c, TOKEN_BUDGET, config) for d in DESIGNS]
         x = StepBuffers(device, c, TOKEN_BUDGET)
         samples: dict[str, list[tuple[float, float]]] = {d.name: [] for d in designs}
         empties: list[float] = []
@@ -92,6 +97,7 @@ def main() -> None:
                 t1 = clock()
                 d.run(x)
                 t2 = clock()
+                d.after(x)
                 synchronize(device)
                 t3 = clock()
                 empty()
@@ -101,12 +107,12 @@ def main() -> None:
                     samples[d.name].append(((t1 - t0) / 1e3, (t2 - t1) / 1e3))
                     empties.append((t4 - t3) / 1e3)
         e = float(np.median(empties)) if empties else float("nan")
-        print(f"\nG3 C={c}: {len(measured)} decode steps; empty Triton launch {e:.1f} us")
+        print(f"\n{config} C={c}: {len(measured)} decode steps; empty Triton launch {e:.1f} us")
         for d in designs:
             s = np.array(samples[d.name])
             st, run = np.median(s[:, 0]), np.median(s[:, 1])
             tot = np.median(s.sum(axis=1))
-            print(f"  {d.name:14s} staging {st:6.1f}  calls {run:6.1f}  step {tot:6.1f} us = {tot / e:.2f} empty")
+            print(f"  {d.name:18s} staging {st:6.1f}  calls {run:6.1f}  step {tot:6.1f} us = {tot / e:.2f} empty")
         # a gather-only call, and the bare fast launch it makes, in one loop
         bt = designs[0].bt
         state = bt.backend.device_state(bt.device)
@@ -137,7 +143,7 @@ def main() -> None:
         )
         if args.profile:
             for cls in DESIGNS:
-                d = cls(device, args.backend, c, TOKEN_BUDGET)  # fresh tables: the schedule replays from its start
+                d = cls(device, args.backend, c, TOKEN_BUDGET, config)  # fresh tables: the schedule from its start
                 prof = cProfile.Profile()
                 for i, step in enumerate(schedule):
                     x.load(step)
@@ -150,9 +156,11 @@ def main() -> None:
                     d.run(x)
                     if timed:
                         prof.disable()
+                    d.after(x)
                     synchronize(device)
                 rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[: args.profile]
-                print(f"\n  cProfile {d.name} C={c}, per decode step (us, profiler overhead included): own, cumulative")
+                print(f"\n  cProfile {d.name} {config} C={c}, per decode step (us, profiler overhead included): "
+                      "own, cumulative")
                 for (path, line, func), (_, ncalls, own, cum, _) in rows:
                     where = f"{path.rsplit('/', 2)[-1]}:{line}({func})" if line else func
                     n = len(measured)
