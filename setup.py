@@ -10,7 +10,7 @@ setup(
     ext_modules=[
         Extension(
             "multiwrite.staging._cstaging",
-            # One module from nine files (multiwrite/staging/_cstaging.h says what holds what).
+            # One module from ten files (multiwrite/staging/_cstaging.h says what holds what).
             [
                 "multiwrite/staging/_cstaging.c",
                 "multiwrite/staging/_cstaging_arena.c",
@@ -18,11 +18,13 @@ setup(
                 "multiwrite/staging/_cstaging_headers.c",
                 "multiwrite/staging/_cstaging_vllm.c",
                 "multiwrite/staging/_cstaging_launch.c",
+                "multiwrite/staging/_cstaging_grid.c",
                 "multiwrite/staging/_cstaging_stage.c",
                 "multiwrite/staging/_cstaging_prepare.c",
                 "multiwrite/staging/_cstaging_entry.c",
             ],
-            depends=["multiwrite/staging/_cstaging.h", "multiwrite/staging/_cstaging_entry.h"],
+            depends=["multiwrite/staging/_cstaging.h", "multiwrite/staging/_cstaging_entry.h",
+                     "multiwrite/staging/_cstaging_grid.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter"],
         )

@@ -14,8 +14,9 @@
  * - _cstaging_headers.c: HeaderRingFields (publish, commit).
  * - _cstaging_vllm.c: VllmStaging (multiwrite.vllm.BlockTables.append_block_ids).
  * - _cstaging_launch.c: FastLaunch (a compiled Triton kernel's launch, multiwrite/backends/triton/launcher.py).
- * - _cstaging_stage.c: StageEntry (an eager gather or slot-mapping call checked and launched in one C call,
- *   multiwrite/stage/entry.py).
+ * - _cstaging_grid.c: apply_grid, the apply programs' tiling (the Triton backends' and the stage entry's).
+ * - _cstaging_entry.c, _cstaging_stage.c, _cstaging_prepare.c: StageEntry (an eager stage call checked and launched
+ *   in one C call, multiwrite/stage/entry.py; _cstaging_entry.h says which file holds what).
  */
 #ifndef MULTIWRITE_STAGING_CSTAGING_H
 #define MULTIWRITE_STAGING_CSTAGING_H
@@ -68,11 +69,6 @@ MW_INTERNAL void mw_clear_refs(PyObject *self, const Py_ssize_t *refs);
 MW_INTERNAL void mw_gc_dealloc(PyObject *self, inquiry clear);
 /* A call whose arguments do not bind: TypeError(`usage`), the call's signature and what it takes; returns NULL. */
 MW_INTERNAL PyObject *mw_usage_error(const char *usage);
-/* The apply programs of a batch of w writes and v values in `rounds` overlap rounds: grid[0] tiles of tiling[0]
- * writes (a decode batch: v <= tiling[2] values) or tiling[1] writes, grid[1] column splits of tiling[3] cells, at
- * most tiling[4] and max_programs in all (apply_grid, the one rule of TritonPlan._stage and launch_apply). */
-MW_INTERNAL void mw_apply_grid(long long w, long long v, long long rounds, const long long tiling[5],
-                               long long max_programs, long long grid[2]);
 /* obj.<name> += 1, a statistic: errors are cleared. */
 MW_INTERNAL void mw_count_one(PyObject *obj, PyObject *name);
 

@@ -7,6 +7,7 @@
 #define MW_CSTAGING_ENTRY_H
 
 #include "_cstaging.h"
+#include "_cstaging_grid.h"
 
 typedef struct {
     PyObject_HEAD
