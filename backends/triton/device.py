@@ -306,7 +306,7 @@ class TritonDevice:
         rounds, their bounds in the lease), through `launch_on`."""
         p = self.params
         grid0, grid1 = apply_grid(w, v, rounds, self.apply_tiling, self.max_programs)
-        decode = rounds == 1 and v <= _PRELOADED  # (a decode step: many short writes, one program per tile)
+        decode = rounds == 1 and v <= self.apply_tiling[2]  # (apply_grid's decode batch: the kernel's variant)
         variant = (np.dtype(np_dtype).char, decode)
         consts = self._apply_consts.get(variant)
         if consts is None:  # (per device: the launch parameters are the backend's)

@@ -346,7 +346,7 @@ int mw_entry_read_staged(PyObject *spec, PyObject **got, long long *ints) {
     Py_XDECREF(chr);
     static const char *const named[] = {"stage_tiling", "apply_tiling", "max_programs", "keep"};
     for (int i = 0; i < STAGED_INTS && ok == 0; i++) {
-        const int which = i < 10 ? i / 5 : i == 10 ? 2 : 3; /* (the name above the int comes from) */
+        const int which = i < 10 ? i / 5 : i == 10 ? 2 : 3; /* (which of `named` the int is read from) */
         PyObject *tiling = which < 2 ? tilings[which] : NULL, *value;
         if (which < 2)
             value = PyTuple_Check(tiling) && PyTuple_GET_SIZE(tiling) == 5 ? Py_NewRef(PyTuple_GET_ITEM(tiling, i % 5))
