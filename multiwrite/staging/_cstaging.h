@@ -172,7 +172,7 @@ MW_INTERNAL extern PyTypeObject mw_CountdownType;
  * metadata columns, then INLINE_VALUES int32 values). */
 #define HEADER_WORDS 8 /* SEQ, META, VALUES, BOUNDS, DONE, TOKEN, COUNTS, NUM_VALUES */
 #define INLINE_WRITES 256
-#define INLINE_VALUES 256
+#define INLINE_VALUES 1024
 #define ENTRY_WORDS (HEADER_WORDS + (INLINE_WRITES * 5 + INLINE_VALUES) / 2)
 #define INLINE_FLAG INT64_MIN /* the sign bit of COUNTS: the batch is in the entry */
 /* Words of the device's counts the kernel stores into the pinned mirror (staging/headers.py: M_APPLIED ...): headers

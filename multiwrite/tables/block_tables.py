@@ -226,6 +226,13 @@ class BlockTables(BlockIdStaging):
         return self._arena.num_writes
 
     @property
+    def num_staged_values(self) -> int:
+        """Values those writes carry (kernel block ids, and the counts of the `num_blocks` rows): with
+        `num_staged_writes`, the size of the batch the next apply lands (graph mode: whether it travels in its header,
+        docs/graph-mode.md)."""
+        return self._arena.num_values
+
+    @property
     def device(self) -> torch.device:
         """Device of the tables."""
         return self._device

@@ -175,14 +175,17 @@ class GraphModel:
         return len(self.headers) - self.applied < depth and len(self.tickets) - self.runs < depth
 
 
-#: Rows wide enough that two full rows are more than an inline batch (256 values): such batches stay in their slot.
+#: Rows of 143 values when full (the kernel blocks of three groups and a counts row): `fill` stages them.
 WIDE = [40, 20, 60]
 
 
-def fill(m: GraphModel, rows, seed: int) -> None:
-    """Stage full rows (overwrites with fresh ids) into `rows`: 143 values per row, a batch left in its slot."""
+def fill(m: GraphModel, rows, seed: int, twice: bool = True) -> None:
+    """Stage full rows (overwrites with fresh ids) into `rows`, 143 values per row; `twice`: the first row overwritten
+    again last, so that the writes overlap: a batch of two rounds, which stays in its staging slot whatever its size
+    (a decode-sized batch travels in its header)."""
     rng = np.random.default_rng(seed)
-    for r in rows:
+    rows = list(rows)
+    for r in rows + rows[:1] * twice:
         m.stage(r, [rng.integers(1, 10_000, w).tolist() for w in m.widths], True)
 
 

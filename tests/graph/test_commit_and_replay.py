@@ -127,8 +127,8 @@ def test_decode_batches_travel_inline_and_bigger_ones_stay_in_their_slot():
     """A batch of one round with at most INLINE_WRITES writes and INLINE_VALUES values is copied into its header
     entry (the sign bit of its counts word); one write or value more, or a second round, and it stays in its staging
     slot. Every kind lands exactly."""
-    assert INLINE_WRITES == INLINE_VALUES == 256
-    m = GraphModel(reqs=72, widths=[64, 40, 80])
+    assert (INLINE_WRITES, INLINE_VALUES) == (256, 1024)  # (the cases below are written for these limits)
+    m = GraphModel(reqs=72, widths=[160, 40, 80])
     entry = m.bt.graph.ring.entry
     rng = np.random.default_rng(3)
 
@@ -142,8 +142,8 @@ def test_decode_batches_travel_inline_and_bigger_ones_stay_in_their_slot():
             m.stage(r, ([], [], []), True)
 
     cases = [  # (what, stage it, inline?)
-        ("256 values", lambda: rows_of(256), True),
-        ("257 values", lambda: rows_of(257), False),
+        ("1024 values", lambda: rows_of(1024), True),
+        ("1025 values", lambda: rows_of(1025), False),
         ("256 writes", lambda: freed(64), True),
         ("260 writes", lambda: freed(65), False),
         ("two rounds", lambda: (rows_of(100), m.stage(5, ([77], [], [78]), False)), False),
@@ -155,6 +155,30 @@ def test_decode_batches_travel_inline_and_bigger_ones_stay_in_their_slot():
         assert (int(entry(h)[H_COUNTS]) < 0) == inline, f"{what}: inline should be {inline}"
         m.replay()
         m.check(what)
+
+
+@pytest.mark.parametrize("config", ["G3", "G11", "G20"])
+def test_every_decode_step_of_the_trace_travels_in_its_header(config):
+    """The inline limits hold the decode steps engines commit: every decode step of the trace's schedule at C=256 in
+    the bench's configurations (the largest, G20's, carries 163 writes and 604 values) fits in a header entry, so
+    its commit stays one compiled call. With 256 values 40% of G11's and G20's did not (measured on the H200: their
+    commits took twice G3's). Staged on compiled-cpu tables: the batch sizes do not depend on the backend."""
+    from multiwrite.bench.groups import STAGE_CONFIGS
+    from multiwrite.workload import replay_schedule
+
+    bs, kbs = STAGE_CONFIGS[config]
+    bt = BlockTables(bs, 256, max_blocks_per_group(bs), CPU, kbs, backend="compiled-cpu")
+    largest = (0, 0)
+    for step in replay_schedule(load_trace(), bs, 256, 300):
+        for req, ids, overwrite in step.calls:
+            bt.append_block_ids(req, ids, overwrite)
+        if step.is_decode:
+            largest = max(largest, (bt.num_staged_values, bt.num_staged_writes))
+            assert bt.num_staged_writes <= INLINE_WRITES and bt.num_staged_values <= INLINE_VALUES, (
+                f"{config}: a decode step of {bt.num_staged_writes} writes, {bt.num_staged_values} values"
+            )
+        bt.apply_staged_writes()
+    assert largest[0] > {"G3": 200, "G11": 400, "G20": 600}[config]  # (the schedule reaches the sizes named above)
 
 
 def test_clear_drops_only_the_writes_staged_since_the_last_commit():
