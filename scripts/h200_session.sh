@@ -12,6 +12,8 @@
 #   old     the named new GPU tests ($OLD_TESTS) against the tree in .old-tree.tar (they must fail there)
 #   costs   scripts/stage_host_costs.py (where the eager stage's host time goes)
 #   oldcosts  the same script of the tree in .old-tree.tar, run against that tree (a before/after in one session)
+#   graphcosts  scripts/graph_mode_costs.py --stage (graph mode's host work and the captured stage's device time)
+#   oldgraphcosts  the same script of the tree in .old-tree.tar, run against that tree
 set -u
 out=${OUT:-$PWD/h200-out}
 mkdir -p "$out"
@@ -50,7 +52,11 @@ for part in $parts; do
     costs) PYTHONPATH=$PWD timeout 240 python3 scripts/stage_host_costs.py --profile ${PROFILE_N:-14} \
               --configs ${COSTS_CONFIGS:-G3} >"$out/costs.log" 2>&1 ;;
     oldcosts) old_tree && (cd /tmp/old && PYTHONPATH=/tmp/old timeout 240 python3 scripts/stage_host_costs.py \
-              --profile ${PROFILE_N:-14}) >"$out/oldcosts.log" 2>&1 ;;
+              --profile ${PROFILE_N:-14} --configs ${COSTS_CONFIGS:-G3}) >"$out/oldcosts.log" 2>&1 ;;
+    graphcosts) PYTHONPATH=$PWD timeout 240 python3 scripts/graph_mode_costs.py --stage \
+              --steps ${GRAPH_STEPS:-200} >"$out/graphcosts.log" 2>&1 ;;
+    oldgraphcosts) old_tree && (cd /tmp/old && PYTHONPATH=/tmp/old timeout 240 python3 scripts/graph_mode_costs.py \
+              --stage --steps ${GRAPH_STEPS:-200}) >"$out/oldgraphcosts.log" 2>&1 ;;
     *) echo "unknown part $part"; continue ;;
   esac
   rc=$?
