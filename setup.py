@@ -10,7 +10,7 @@ setup(
     ext_modules=[
         Extension(
             "multiwrite.staging._cstaging",
-            # One module from ten files (multiwrite/staging/_cstaging.h says what holds what).
+            # One module from eleven files (multiwrite/staging/_cstaging.h says what holds what).
             [
                 "multiwrite/staging/_cstaging.c",
                 "multiwrite/staging/_cstaging_arena.c",
@@ -22,6 +22,7 @@ setup(
                 "multiwrite/staging/_cstaging_stage.c",
                 "multiwrite/staging/_cstaging_prepare.c",
                 "multiwrite/staging/_cstaging_entry.c",
+                "multiwrite/staging/_cstaging_commit.c",
             ],
             depends=["multiwrite/staging/_cstaging.h", "multiwrite/staging/_cstaging_entry.h",
                      "multiwrite/staging/_cstaging_grid.h"],

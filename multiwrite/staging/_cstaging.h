@@ -12,6 +12,7 @@
  * - _cstaging_arena.c: LeaseFields and ArenaFields.
  * - _cstaging_block_ids.c: BlockIdStaging (append_block_ids, append_block_ids_batch, _bind_staging).
  * - _cstaging_headers.c: HeaderRingFields (publish, commit).
+ * - _cstaging_commit.c: CommitEntry (graph mode's BlockTables.commit_staged_writes in one C call).
  * - _cstaging_vllm.c: VllmStaging (multiwrite.vllm.BlockTables.append_block_ids).
  * - _cstaging_launch.c: FastLaunch (a compiled Triton kernel's launch, multiwrite/backends/triton/launcher.py).
  * - _cstaging_grid.c: apply_grid, the apply programs' tiling (the Triton backends' and the stage entry's).
@@ -185,5 +186,16 @@ MW_INTERNAL extern PyTypeObject mw_CountdownType;
 #define M_EXTRA 6
 
 MW_INTERNAL extern PyTypeObject mw_HeaderRingFieldsType;
+
+/* HeaderRingFields.commit(arena, ticketed) of `ring`: `publish` in its common case, checked first (no overlapping
+ * writes, a batch that travels inline or none, a free header entry and ticket, no mis-pairing the device recorded that
+ * the host has not reported); the header index, or None having changed nothing. Anything else (a report, rounds to
+ * order, a wait, a batch that stays in its lease and needs the next one) is the caller's to prepare. With
+ * `countdown`, a preamble's countdown (mw_Countdown.left) is counted down once the publish is taken. */
+MW_INTERNAL PyObject *mw_ring_commit(PyObject *ring, ArenaFields *arena, int ticketed, Py_ssize_t *countdown);
+
+/* ---- CommitEntry (_cstaging_commit.c) ------------------------------------------------------------------- */
+
+MW_INTERNAL extern PyTypeObject mw_CommitEntryType;
 
 #endif /* MULTIWRITE_STAGING_CSTAGING_H */

@@ -56,17 +56,9 @@ static PyObject *ring_publish(HeaderRingFields *self, PyObject *const *args, Py_
     return publish_c(self, (ArenaFields *)args[0], args[1], ticketed, rounds);
 }
 
-/* commit(arena, ticketed) -> header index, or None having changed nothing: `publish` in its common case, checked
- * first (no overlapping writes, a batch that travels inline or none, a free header entry and ticket, no mis-pairing
- * the device recorded that the host has not reported). Anything else (a report, rounds to order, a wait, a batch
- * that stays in its lease and needs the next one) is the caller's to prepare. */
-static PyObject *ring_commit(HeaderRingFields *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyObject_TypeCheck(args[0], &mw_ArenaFieldsType))
-        return mw_usage_error("commit(arena, ticketed)");
-    ArenaFields *arena = (ArenaFields *)args[0];
-    const int ticketed = PyObject_IsTrue(args[1]); /* (as `publish` reads it) */
-    if (ticketed < 0)
-        return NULL;
+/* commit(arena, ticketed) -> header index, or None having changed nothing: mw_ring_commit (_cstaging.h). */
+PyObject *mw_ring_commit(PyObject *ring, ArenaFields *arena, int ticketed, Py_ssize_t *countdown) {
+    HeaderRingFields *self = (HeaderRingFields *)ring;
     const Py_ssize_t w = arena->num_writes;
     if (arena->may_overlap || w > INLINE_WRITES || arena->num_values > INLINE_VALUES || self->mirror_addr == 0 ||
         self->depth <= 0)
@@ -82,7 +74,18 @@ static PyObject *ring_commit(HeaderRingFields *self, PyObject *const *args, Py_s
         if (runs < t - self->depth + 1) /* the ticket's word holds a ticket whose replay has not run */
             Py_RETURN_NONE;
     }
+    if (countdown != NULL)
+        *countdown -= 1; /* (the preamble's truth test: false, as its caller found) */
     return publish_c(self, arena, Py_None, ticketed, 1);
+}
+
+static PyObject *ring_commit(HeaderRingFields *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyObject_TypeCheck(args[0], &mw_ArenaFieldsType))
+        return mw_usage_error("commit(arena, ticketed)");
+    const int ticketed = PyObject_IsTrue(args[1]); /* (as `publish` reads it) */
+    if (ticketed < 0)
+        return NULL;
+    return mw_ring_commit((PyObject *)self, (ArenaFields *)args[0], ticketed, NULL);
 }
 
 static PyObject *publish_c(HeaderRingFields *self, ArenaFields *arena, PyObject *next, int ticketed, long long rounds) {

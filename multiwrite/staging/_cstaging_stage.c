@@ -98,11 +98,9 @@ int mw_entry_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
     return ok;
 }
 
-int mw_entry_preamble(StageEntry *self, int outputs) {
-    if (((mw_Countdown *)self->countdown)->left <= 1) /* (due: the Python path checks the addresses) */
-        return 0;
-    PyObject *pairs[2][2] = {{self->storage, self->guard}, {self->outputs, self->outputs_guard}};
-    for (int i = 0; i < 1 + outputs; i++) {
+int mw_layout_unchanged(PyObject *storage, PyObject *guard, PyObject *outputs, PyObject *outputs_guard) {
+    PyObject *pairs[2][2] = {{storage, guard}, {outputs, outputs_guard}};
+    for (int i = 0; i < 1 + (outputs != NULL); i++) {
         long long now, then;
         int ok = mw_as_ll(PyObject_GetAttr(pairs[i][0], s_version), &now);
         if (ok > 0)
@@ -111,6 +109,12 @@ int mw_entry_preamble(StageEntry *self, int outputs) {
             return ok < 0 ? -1 : 0;
     }
     return 1;
+}
+
+int mw_entry_preamble(StageEntry *self, int outputs) {
+    if (((mw_Countdown *)self->countdown)->left <= 1) /* (due: the Python path checks the addresses) */
+        return 0;
+    return mw_layout_unchanged(self->storage, self->guard, outputs ? self->outputs : NULL, self->outputs_guard);
 }
 
 /* (`raise failure(exc) from exc`) */

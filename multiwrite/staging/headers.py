@@ -30,6 +30,8 @@ committed after it was issued: `docs/graph-mode.md` gives the protocol, its cond
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
 import torch
 
@@ -161,4 +163,29 @@ class HeaderRing(_Fields):  # type: ignore[misc, valid-type]
         return self.headers[e * ENTRY_WORDS : (e + 1) * ENTRY_WORDS]
 
 
-__all__ = ["ENTRY_WORDS", "HEADER_WORDS", "INLINE_META", "INLINE_VALUES", "INLINE_WRITES", "MIRROR_WORDS", "HeaderRing"]
+class CommitEntry(Protocol):
+    """Graph mode's `BlockTables.commit_staged_writes` in one compiled call (`_cstaging.CommitEntry`)."""
+
+    def commit(self) -> int | None:
+        """Its common case: the preamble's checks hold (the address check not due, no table or output resized) and
+        `HeaderRing.commit`'s (an inline batch or none, room in the rings, no mis-pairing to report); then the staged
+        batch is published with a ticket and its header index returned. Otherwise None, having changed nothing."""
+
+
+def commit_entry(countdown: Any, guard: Any, outputs_guard: Any, ring: HeaderRing, arena: Any) -> CommitEntry:
+    """The compiled commit of a graph mode: its preamble's `countdown` and `LayoutGuard`s (the tables and counts; the
+    gather and slot outputs), its `ring` and the `arena` it publishes (`multiwrite/tables/graph.py`)."""
+    return _cstaging.CommitEntry(countdown, guard, outputs_guard, ring, arena)
+
+
+__all__ = [
+    "ENTRY_WORDS",
+    "HEADER_WORDS",
+    "INLINE_META",
+    "INLINE_VALUES",
+    "INLINE_WRITES",
+    "MIRROR_WORDS",
+    "CommitEntry",
+    "HeaderRing",
+    "commit_entry",
+]

@@ -297,6 +297,11 @@ class BlockTables(BlockIdStaging):
             GraphProtocolError: the device recorded a mis-pairing (a replay without its commit, or a commit with no
                 replay before an eager apply) not reported yet; nothing was committed, the pairing is restored.
         """
+        entry = self._mode.commit_entry  # (the common commit in one compiled call; None from it: nothing done)
+        if entry is not None:
+            h = entry.commit()
+            if h is not None:
+                return h
         return self._mode.commit()
 
     def clear_staged_writes(self) -> None:

@@ -22,7 +22,7 @@ from multiwrite.plugins.backend import Backend, GraphPlan
 from multiwrite.stage.layout import TablesLayout
 from multiwrite.stage.step import StepInputs
 from multiwrite.staging.arena import LayoutGuard, StagingArena
-from multiwrite.staging.headers import INLINE_VALUES, INLINE_WRITES, HeaderRing
+from multiwrite.staging.headers import INLINE_VALUES, INLINE_WRITES, HeaderRing, commit_entry
 from multiwrite.staging.wait import wait_until
 from multiwrite.tables.mode import TablesMode
 
@@ -41,6 +41,7 @@ class GraphMode(TablesMode):
             `missed`, `extra` counts tell where the protocol stands).
         recordings: what each capture recorded (inputs read by address at every replay), alive as long as this
             object.
+        commit_entry: `commit`'s common case in one compiled call (`multiwrite.staging.headers.CommitEntry`).
     """
 
     cuda_graphs = True
@@ -51,6 +52,7 @@ class GraphMode(TablesMode):
         super().__init__(backend, plan, layout, arena, guard, outputs, *counts, check_addresses=check_addresses)
         self.plan: GraphPlan = plan
         self.ring = HeaderRing(plan.header_depth, layout.device)
+        self.commit_entry = commit_entry(self._countdown, guard, outputs, self.ring, arena)
         self.recordings: list[Any] = []
         self._eager_limit = 0  # headers an eager launch has been asked to apply
         self._stranded = False  # an eager call published a batch and its consume launch did not happen

@@ -29,6 +29,7 @@ from multiwrite.stage.step import StepInputs, check_count
 from multiwrite.stage.torch_stage import run_stage_torch
 from multiwrite.staging.arena import LayoutGuard, StagingArena
 from multiwrite.staging.fields import Countdown
+from multiwrite.staging.headers import CommitEntry
 
 _PTR = torch.Tensor.data_ptr
 #: Calls of the preamble per address check when checking is off (docs/lifecycle.md): a `Countdown`, whose truth test
@@ -56,6 +57,8 @@ class TablesMode:
         dirty_rows: rows of `input_block_tables` the last gather (or dummy) may have left non-zero.
         entry: the compiled entry of the stage calls that apply nothing (`multiwrite.stage.entry`; eager mode on a
             plan with a `stage_launch_spec`), or None: every call runs `stage_call`.
+        commit_entry: the compiled common case of `commit` (graph mode: `multiwrite.staging.headers.CommitEntry`), or
+            None: every commit runs `commit`.
     """
 
     #: What `BlockTables.cuda_graphs` says.
@@ -63,6 +66,7 @@ class TablesMode:
     #: Whether a call that applies is refused during a CUDA graph capture (eager: its batch is read by address).
     refuses_capture = False
     entry: StageEntry | None = None
+    commit_entry: CommitEntry | None = None
 
     def __init__(
         self,
