@@ -32,9 +32,9 @@
  * fallbacks); _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging,
  * _cstaging_headers.c HeaderRingFields, _cstaging_vllm.c VllmStaging, _cstaging_launch.c FastLaunch,
  * _cstaging_entry.c StageEntry (_cstaging_stage.c its gather and slots, _cstaging_prepare.c its prepare and apply,
- * _cstaging_entry.h what the three share), _cstaging_commit.c CommitEntry; _cstaging.h what they share (the structs of more than one file, the
- * header ring's layout, the type objects and what they share, the globals and the arena's shared steps, all named mw_*
- * and hidden outside the extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
+ * _cstaging_entry.h what the three share), _cstaging_commit.c CommitEntry; _cstaging.h what they share (the structs
+ * of more than one file, the header ring's layout, the type objects and what they share, the globals and the arena's
+ * shared steps, all named mw_* and hidden outside the extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
  * mw_clear_refs, mw_gc_dealloc) and the TypeError of a call whose arguments do not bind (mw_usage_error).
  */
 #include "_cstaging.h"

@@ -52,16 +52,13 @@ static PyObject *commit_call(CommitEntry *self, PyObject *unused) {
         PyErr_SetString(PyExc_TypeError, "CommitEntry: not initialized");
         return NULL;
     }
-    mw_Countdown *countdown = (mw_Countdown *)self->countdown;
-    if (countdown->left <= 1) /* (due: the Python path checks the addresses) */
-        Py_RETURN_NONE;
-    const int ok = mw_layout_unchanged(self->storage, self->guard, self->outputs, self->outputs_guard);
+    const int ok = mw_preamble_holds(self->countdown, self->storage, self->guard, self->outputs, self->outputs_guard);
     if (ok <= 0) {
         if (ok < 0)
             return NULL;
         Py_RETURN_NONE;
     }
-    return mw_ring_commit(self->ring, (ArenaFields *)self->arena, 1, &countdown->left);
+    return mw_ring_commit(self->ring, (ArenaFields *)self->arena, 1, &((mw_Countdown *)self->countdown)->left);
 }
 
 static PyMemberDef commit_members[] = {

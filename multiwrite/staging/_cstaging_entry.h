@@ -41,10 +41,11 @@ MW_INTERNAL int mw_entry_names(void);
 
 /* An int (a new reference, consumed) as a long long: 1 (into *out), 0 (not an int), -1 (error, or value NULL). */
 MW_INTERNAL int mw_as_ll(PyObject *value, long long *out);
-/* The layout checks of TablesMode.enter's common case: the tables guard's `storage` (and, unless `outputs` is NULL,
- * the outputs') at the version its guard last checked: 1 (unchanged), 0 (not taken), -1 (error). The interned names
- * it reads must be bound (mw_entry_names). */
-MW_INTERNAL int mw_layout_unchanged(PyObject *storage, PyObject *guard, PyObject *outputs, PyObject *outputs_guard);
+/* TablesMode.enter's common case: the address check not due (`countdown`, a Countdown) and the tables guard's
+ * `storage` (and, unless `outputs` is NULL, the outputs') at the version its guard last checked: 1 (holds), 0 (not
+ * taken), -1 (error). The interned names it reads must be bound (mw_entry_names). */
+MW_INTERNAL int mw_preamble_holds(PyObject *countdown, PyObject *storage, PyObject *guard, PyObject *outputs,
+                                  PyObject *outputs_guard);
 /* The preamble's preconditions (TablesMode.enter's common case; `outputs`: the outputs' guard too): 1 (hold), 0 (not
  * taken), -1 (error). */
 MW_INTERNAL int mw_entry_preamble(StageEntry *self, int outputs);

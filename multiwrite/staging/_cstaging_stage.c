@@ -98,7 +98,10 @@ int mw_entry_vector(StageEntry *self, PyObject *t, int flag, Vector *v) {
     return ok;
 }
 
-int mw_layout_unchanged(PyObject *storage, PyObject *guard, PyObject *outputs, PyObject *outputs_guard) {
+int mw_preamble_holds(PyObject *countdown, PyObject *storage, PyObject *guard, PyObject *outputs,
+                      PyObject *outputs_guard) {
+    if (((mw_Countdown *)countdown)->left <= 1) /* (due: the Python path checks the addresses) */
+        return 0;
     PyObject *pairs[2][2] = {{storage, guard}, {outputs, outputs_guard}};
     for (int i = 0; i < 1 + (outputs != NULL); i++) {
         long long now, then;
@@ -112,9 +115,8 @@ int mw_layout_unchanged(PyObject *storage, PyObject *guard, PyObject *outputs, P
 }
 
 int mw_entry_preamble(StageEntry *self, int outputs) {
-    if (((mw_Countdown *)self->countdown)->left <= 1) /* (due: the Python path checks the addresses) */
-        return 0;
-    return mw_layout_unchanged(self->storage, self->guard, outputs ? self->outputs : NULL, self->outputs_guard);
+    return mw_preamble_holds(self->countdown, self->storage, self->guard, outputs ? self->outputs : NULL,
+                             self->outputs_guard);
 }
 
 /* (`raise failure(exc) from exc`) */
