@@ -18,6 +18,7 @@ setup(
                 "multiwrite/staging/_cstaging_headers.c",
                 "multiwrite/staging/_cstaging_vllm.c",
                 "multiwrite/staging/_cstaging_launch.c",
+                "multiwrite/staging/_cstaging_driver.c",
                 "multiwrite/staging/_cstaging_grid.c",
                 "multiwrite/staging/_cstaging_stage.c",
                 "multiwrite/staging/_cstaging_prepare.c",

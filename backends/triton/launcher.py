@@ -2,10 +2,12 @@
 
 The first launch of each compiled variant goes through Triton's JIT (`kernel[grid](...)`, which compiles). After
 it, on a GPU and outside any CUDA graph capture, a fast launcher is bound to the compiled kernel and validated by
-one no-op launch that must store its token into a pinned word: Triton's compiled C launcher called directly
-(NVIDIA; the calling conventions of Triton 3.6 and 3.9; through the compiled `_cstaging.FastLaunch` where that
-helper is built), else `CompiledKernel.run`. Each skips the JIT's argument
-binding and specialization, the larger part of a launch's host time. Under Triton's interpreter every launch is the
+one no-op launch that must store its token into a pinned word. On NVIDIA, where the compiled staging helper is
+built: the CUDA driver's cuLaunchKernelEx called from C (`_cstaging.DriverLaunch`, its parameters checked against
+the driver's account of the kernel's), with Triton's compiled C launcher behind it for what it does not take. Else
+that C launcher called directly (the calling conventions of Triton 3.6 and 3.9; through `_cstaging.FastLaunch`),
+else `CompiledKernel.run`. Each skips the JIT's argument binding and specialization, the larger part of a launch's
+host time. Under Triton's interpreter every launch is the
 JIT's, serialized process-wide (the interpreter keeps program ids in global state).
 """
 
@@ -49,7 +51,8 @@ class Launcher:
     Attributes:
         launches: launches issued so far (a statistic: increments from concurrent threads may be lost).
         path: how launches go: "interpreter", "jit" (before the first launch), or per compiled variant the bound
-            launcher ("c-launcher (triton X)", "compiled-kernel-run (triton X)") or why none ("jit (...)").
+            launcher ("driver (triton X)", "c-launcher (triton X)", "compiled-kernel-run (triton X)") or why none
+            ("jit (...)").
     """
 
     def __init__(self, device: TritonDevice, kernel: Any, num_warps: int, noop_args: Callable[[int, int, int], tuple]):
@@ -141,9 +144,10 @@ def bind_fast_launcher(
     """A launch function `fire(grid0, grid1, stream, args)` for a compiled `kernel` that bypasses the JIT, and the
     launch path it gives; `(None, why)` when none works.
 
-    Candidates, fastest first: Triton's compiled C launcher called directly (NVIDIA, Triton 3.6 and 3.9 calling
-    conventions, no scratch memory; only with `mode == "auto"`), then `CompiledKernel.run`. `validate(fire)` must pass
-    before a candidate is used.
+    Candidates, fastest first (only with `mode == "auto"` on NVIDIA, for a kernel without scratch memory: the first
+    two): the CUDA driver's cuLaunchKernelEx called from C (`driver_launcher`), Triton's compiled C launcher called
+    directly (Triton 3.6 and 3.9 calling conventions), then `CompiledKernel.run`. `validate(fire)` must pass before a
+    candidate is used.
     """
     reasons = []
     try:
@@ -167,6 +171,10 @@ def bind_fast_launcher(
                 fire = c_launcher(launch, head, consts, True)
             else:  # Triton 3.6: (..., scratch, scratch, metadata, launch metadata, hooks, *args)
                 fire = c_launcher(launch, (function, coop, pdl, None, None, packed, None, None, None), consts, False)
+            try:
+                candidates.append(("driver", driver_launcher(kernel, len(consts), fire)))
+            except Exception as exc:
+                reasons.append(f"driver: {type(exc).__name__}: {exc}")
             candidates.append(("c-launcher", fire))
         else:
             reasons.append(f"c-launcher: scratch={scratch} cooperative={coop} pdl={pdl}")
@@ -184,3 +192,81 @@ def bind_fast_launcher(
         path = f"{name} (triton {triton.__version__})"
         return fire, path + (f"; not used: {'; '.join(reasons)}" if reasons else "")
     return None, f"jit (no fast launcher: {'; '.join(reasons)})"
+
+
+#: Bytes of a kernel argument of each Triton type as cuLaunchKernelEx takes it (0: a compile-time constant, not
+#: passed; pointers: 8). Any other type keeps Triton's launcher.
+PARAM_BYTES = {"constexpr": 0, "i32": 4, "i64": 8}
+
+
+def driver_param_kinds(kernel: Any, num_consts: int) -> bytes:
+    """Per entry of a launch's `args` (the compiled `kernel`'s signature less its last `num_consts` constexprs) the
+    bytes it takes in the kernel's parameters (`PARAM_BYTES`).
+
+    Raises:
+        ValueError: a trailing constant that is not a constexpr, or an argument of a type not in `PARAM_BYTES`.
+    """
+    items = list(kernel.src.signature.items())
+    cut = len(items) - num_consts
+    if cut < 0 or any(t != "constexpr" for _, t in items[cut:]):
+        raise ValueError(f"the last {num_consts} arguments of {[t for _, t in items]} are not all constexprs")
+    kinds = []
+    for name, t in items[:cut]:
+        if t.startswith("*"):
+            kinds.append(8)
+        elif t in PARAM_BYTES:
+            kinds.append(PARAM_BYTES[t])
+        else:
+            raise ValueError(f"argument {name} is of type {t}: not passed by multiwrite's driver launch")
+    return bytes(kinds)
+
+
+@functools.cache
+def cuda_driver() -> tuple[int, Callable[[int], list[int]]]:
+    """The address of the CUDA driver's cuLaunchKernelEx and `param_sizes(function)`, the bytes of each parameter of
+    a CUfunction (cuFuncGetParamInfo, CUDA 12.4 and newer).
+
+    Raises:
+        OSError: no libcuda.so.1; AttributeError: a driver without those entry points.
+    """
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    launch_ex = ctypes.cast(lib.cuLaunchKernelEx, ctypes.c_void_p).value
+    info = lib.cuFuncGetParamInfo
+    size_t = ctypes.c_size_t
+    info.restype = ctypes.c_int
+    info.argtypes = [ctypes.c_void_p, size_t, ctypes.POINTER(size_t), ctypes.POINTER(size_t)]
+
+    def param_sizes(function: int) -> list[int]:
+        sizes, offset, size = [], size_t(), size_t()
+        while len(sizes) < 1024 and info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size)) == 0:
+            sizes.append(size.value)
+        return sizes
+
+    return launch_ex, param_sizes
+
+
+def driver_launcher(kernel: Any, num_consts: int, fallback: Callable) -> Callable:
+    """`fire(grid0, grid1, stream, args)` as one cuLaunchKernelEx of the compiled `kernel` from C
+    (`_cstaging.DriverLaunch`), what it does not take going to `fallback` (Triton's launcher). Its parameters are
+    checked against the driver's own account of the kernel's (cuFuncGetParamInfo): the passed arguments in order,
+    then at most two 8-byte scratch pointers, which it passes as 0.
+
+    Raises:
+        ValueError, OSError, AttributeError: no such launch for this kernel, driver or build (the reason).
+    """
+    if _cstaging is None:
+        raise ValueError("the compiled staging helper is not built")
+    kinds = driver_param_kinds(kernel, num_consts)
+    md = kernel.metadata
+    ctas, coop, shared = (getattr(md, f, None) for f in ("num_ctas", "launch_cooperative_grid", "shared"))
+    if ctas != 1 or coop is not False or not isinstance(shared, int) or shared > 228 * 1024:
+        raise ValueError(f"num_ctas={ctas} cooperative={coop} shared={shared}")
+    launch_ex, param_sizes = cuda_driver()
+    sizes, passed = param_sizes(kernel.function), [k for k in kinds if k]
+    extra = len(sizes) - len(passed)
+    if sizes[: len(passed)] != passed or not 0 <= extra <= 2 or any(s != 8 for s in sizes[len(passed) :]):
+        raise ValueError(f"the kernel's parameters (bytes {sizes}) are not its arguments {passed} and scratch pointers")
+    return _cstaging.DriverLaunch(launch_ex, kernel.function, 32 * md.num_warps, md.shared, bool(md.launch_pdl),
+                                  kinds, extra, fallback)  # fmt: skip

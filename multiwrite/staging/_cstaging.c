@@ -22,6 +22,7 @@
  * - Countdown: a counter whose truth test counts (`if countdown:` is true at every period-th test), the periodic
  *   address check of a BlockTables' preamble (multiwrite/tables/mode.py) at the cost of one C call of nb_bool.
  * - FastLaunch: a compiled Triton kernel's launch as one call (multiwrite/backends/triton/launcher.py).
+ * - DriverLaunch: the same launch as one call of the CUDA driver's cuLaunchKernelEx, Triton's launcher its fallback.
  * - StageEntry: an eager gather, slot-mapping or prepare_inputs call, checked and launched in one call (or None: the
  *   Python path runs it; multiwrite/stage/entry.py); prepare_inputs applies the staged batch in that launch, and
  *   apply_staged_writes is one launch of the apply kernel.
@@ -31,10 +32,11 @@
  * scatter_writes, the small type Countdown, PyInit) and the module's globals (the staging clock, the Python twin's
  * fallbacks); _cstaging_arena.c holds LeaseFields and ArenaFields, _cstaging_block_ids.c BlockIdStaging,
  * _cstaging_headers.c HeaderRingFields, _cstaging_vllm.c VllmStaging, _cstaging_launch.c FastLaunch,
- * _cstaging_entry.c StageEntry (_cstaging_stage.c its gather and slots, _cstaging_prepare.c its prepare and apply,
- * _cstaging_entry.h what the three share), _cstaging_commit.c CommitEntry; _cstaging.h what they share (the structs
- * of more than one file, the header ring's layout, the type objects and what they share, the globals and the arena's
- * shared steps, all named mw_* and hidden outside the extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
+ * _cstaging_driver.c DriverLaunch, _cstaging_entry.c StageEntry (_cstaging_stage.c its gather and slots,
+ * _cstaging_prepare.c its prepare and apply, _cstaging_entry.h what the three share), _cstaging_commit.c
+ * CommitEntry; _cstaging.h what they share (the structs of more than one file, the header ring's layout, the type
+ * objects and what they share, the globals and the arena's shared steps, all named mw_* and hidden outside the
+ * extension). This file also defines what the type objects share: the GC types' helpers (mw_visit_refs,
  * mw_clear_refs, mw_gc_dealloc) and the TypeError of a call whose arguments do not bind (mw_usage_error).
  */
 #include "_cstaging.h"
@@ -266,7 +268,7 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
     if (PyType_Ready(&mw_LeaseFieldsType) < 0 || PyType_Ready(&mw_ArenaFieldsType) < 0 ||
         PyType_Ready(&mw_BlockIdStagingType) < 0 || PyType_Ready(&mw_HeaderRingFieldsType) < 0 ||
         PyType_Ready(&mw_VllmStagingType) < 0 || PyType_Ready(&mw_CountdownType) < 0 ||
-        PyType_Ready(&mw_FastLaunchType) < 0 || PyType_Ready(&mw_StageEntryType) < 0 ||
+        PyType_Ready(&mw_FastLaunchType) < 0 || PyType_Ready(&mw_DriverLaunchType) < 0 || PyType_Ready(&mw_StageEntryType) < 0 ||
         PyType_Ready(&mw_CommitEntryType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -279,6 +281,7 @@ PyMODINIT_FUNC PyInit__cstaging(void) {
         PyModule_AddObjectRef(m, "VllmStaging", (PyObject *)&mw_VllmStagingType) < 0 ||
         PyModule_AddObjectRef(m, "Countdown", (PyObject *)&mw_CountdownType) < 0 ||
         PyModule_AddObjectRef(m, "FastLaunch", (PyObject *)&mw_FastLaunchType) < 0 ||
+        PyModule_AddObjectRef(m, "DriverLaunch", (PyObject *)&mw_DriverLaunchType) < 0 ||
         PyModule_AddObjectRef(m, "StageEntry", (PyObject *)&mw_StageEntryType) < 0 ||
         PyModule_AddObjectRef(m, "CommitEntry", (PyObject *)&mw_CommitEntryType) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_WORDS", HEADER_WORDS) < 0 ||

@@ -15,6 +15,7 @@
  * - _cstaging_commit.c: CommitEntry (graph mode's BlockTables.commit_staged_writes in one C call).
  * - _cstaging_vllm.c: VllmStaging (multiwrite.vllm.BlockTables.append_block_ids).
  * - _cstaging_launch.c: FastLaunch (a compiled Triton kernel's launch, multiwrite/backends/triton/launcher.py).
+ * - _cstaging_driver.c: DriverLaunch (the same launch as one call of the CUDA driver's cuLaunchKernelEx).
  * - _cstaging_grid.c: apply_grid, the apply programs' tiling (the Triton backends' and the stage entry's).
  * - _cstaging_entry.c, _cstaging_stage.c, _cstaging_prepare.c: StageEntry (an eager stage call checked and launched
  *   in one C call, multiwrite/stage/entry.py; _cstaging_entry.h says which file holds what).
@@ -24,6 +25,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 #include <structmember.h>
@@ -150,6 +152,15 @@ MW_INTERNAL extern PyTypeObject mw_VllmStagingType;
 /* ---- FastLaunch (_cstaging_launch.c) -------------------------------------------------------------------- */
 
 MW_INTERNAL extern PyTypeObject mw_FastLaunchType;
+
+/* ---- DriverLaunch (_cstaging_driver.c) ------------------------------------------------------------------ */
+
+MW_INTERNAL extern PyTypeObject mw_DriverLaunchType;
+/* A DriverLaunch `fire` launching (grid0, grid1) on `stream` with the `n` ints `values` (one per entry of its args):
+ * 1 (launched, or an empty grid: nothing to launch), 0 (not taken, nothing launched: a count or value outside what
+ * it passes, or the driver refused; the caller calls fire with these arguments as Python ints). No error is set. */
+MW_INTERNAL int mw_driver_launch(PyObject *fire, long long grid0, long long grid1, long long stream,
+                                 const long long *values, Py_ssize_t n);
 
 /* ---- StageEntry (_cstaging_stage.c) --------------------------------------------------------------------- */
 

@@ -69,6 +69,13 @@ static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
     }
     if (ok == 0 && (got[21] = PyLong_FromLongLong(index)) == NULL)
         ok = -1;
+    long long head[LEAD_ARGS];
+    for (Py_ssize_t i = 0; i < LEAD_ARGS && ok == 0; i++)
+        if ((ok = mw_as_ll(Py_NewRef(PyTuple_GET_ITEM(got[17], i)), &head[i])) == 0) {
+            PyErr_SetString(PyExc_TypeError, "StageEntry: spec.head must hold ints");
+            ok = -1;
+        } else if (ok > 0)
+            ok = 0;
     long long staged[STAGED_INTS] = {0};
     if (ok == 0)
         ok = mw_entry_read_staged(spec, got + 22, staged);
@@ -99,6 +106,7 @@ static int entry_init(StageEntry *self, PyObject *args, PyObject *kwargs) {
     self->max_programs = staged[10];
     self->desc_addr = staged[11];
     self->num_tables = staged[12];
+    memcpy(self->head_values, head, sizeof(head));
     return 0;
 }
 

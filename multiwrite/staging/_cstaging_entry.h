@@ -9,6 +9,9 @@
 #include "_cstaging.h"
 #include "_cstaging_grid.h"
 
+/* The stage kernel's arguments before the step's (the staged batch's words, or the spec's head without one). */
+#define LEAD_ARGS 12
+
 typedef struct {
     PyObject_HEAD
     /* the preamble's: the mode (its dirty_rows), its countdown, the guards' bases (guard.base) and guards */
@@ -26,6 +29,8 @@ typedef struct {
     /* the tilings (mw_apply_grid) of the stage kernel's apply programs and of the apply kernel, the programs in
      * flight at most, and the apply descriptors' address and tables */
     long long stage_tiling[5], apply_tiling[5], max_programs, desc_addr, num_tables;
+    /* spec.head as ints (the stage kernel's arguments before the step's, no staged batch) */
+    long long head_values[LEAD_ARGS];
     int window;
 } StageEntry;
 
@@ -58,9 +63,6 @@ MW_INTERNAL void mw_entry_set_dirty(StageEntry *self, long long rows);
 /* views[n] of a cache dict, else layout.<name>(n): a new reference or NULL. */
 MW_INTERNAL PyObject *mw_cached_view(PyObject *views, PyObject *layout, PyObject *name, PyObject *n);
 
-/* The stage kernel's arguments before the step's (the staged batch's words, or the spec's head without one). */
-#define LEAD_ARGS 12
-
 /* Around the fire call of a launch reading a staged batch (_cstaging_prepare.c): `before` right before it (0, or -1
  * with an error set: nothing launched), `after` once it returned (`launched` 1) or raised (0, the error set: `after`
  * resolves it and leaves an error set). */
@@ -81,10 +83,11 @@ MW_INTERNAL int mw_entry_launch(StageEntry *self, PyObject *key, int gather, con
 /* Whether the current device is the tables': 1, 0 (another, or the query raised an Exception: not taken, the Python
  * path asks again where it asks, after its hand-over), -1 (an interrupt, as raised). */
 MW_INTERNAL int mw_entry_current(StageEntry *self);
-/* fire(grid0, grid1, stream, args) on the current stream of the tables' device, counted on `launcher`, the countdown
- * counted, `hooks` around it: 1, or -1 with the error as raised (not yet failure's). */
-MW_INTERNAL int mw_entry_fire(StageEntry *self, PyObject *launcher, PyObject *fire, PyObject *grid0, PyObject *grid1,
-                              PyObject *args, const LaunchHooks *hooks);
+/* fire(grid0, grid1, stream, args) on the current stream of the tables' device, `args` the `n` ints `values` (a
+ * DriverLaunch takes them as they are, without a Python object made), counted on `launcher`, the countdown counted,
+ * `hooks` around it: 1, or -1 with the error as raised (not yet failure's). */
+MW_INTERNAL int mw_entry_fire(StageEntry *self, PyObject *launcher, PyObject *fire, long long grid0, long long grid1,
+                              const long long *values, Py_ssize_t n, const LaunchHooks *hooks);
 
 /* gather(...) and slots(...), the methods (_cstaging_stage.c). */
 MW_INTERNAL PyObject *mw_entry_gather(StageEntry *self, PyObject *const *args, Py_ssize_t nargs);

@@ -286,27 +286,13 @@ PyObject *mw_entry_apply(StageEntry *self, PyObject *unused) {
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     const long long words[11] = {self->desc_addr, h.lease->meta_addr, h.lease->values_addr, h.lease->bounds_addr,
                                  counter, h.lease->done_addr, h.token, self->num_tables, w, v, 1};
-    PyObject *args = PyTuple_New(11), *g0 = PyLong_FromLongLong(grid[0]), *g1 = PyLong_FromLongLong(grid[1]);
-    ok = args != NULL && g0 != NULL && g1 != NULL ? 0 : -1;
-    for (int i = 0; i < 11 && ok == 0; i++) {
-        PyObject *item = PyLong_FromLongLong(words[i]);
-        if (item == NULL)
-            ok = -1;
-        else
-            PyTuple_SET_ITEM(args, i, item);
-    }
-    if (ok == 0) {
-        LaunchHooks hooks;
-        Py_INCREF(fire); /* (held for the call, as the next lease: nothing they run can free them) */
-        Py_INCREF(h.nxt);
-        if ((ok = mw_entry_fire(self, self->apply_launcher, fire, g0, g1, args, hooks_of(&h, &hooks))) < 0)
-            mw_entry_failure(self);
-        Py_DECREF(h.nxt);
-        Py_DECREF(fire);
-    }
-    Py_XDECREF(args);
-    Py_XDECREF(g0);
-    Py_XDECREF(g1);
+    LaunchHooks hooks;
+    Py_INCREF(fire); /* (held for the call, as the next lease: nothing they run can free them) */
+    Py_INCREF(h.nxt);
+    if ((ok = mw_entry_fire(self, self->apply_launcher, fire, grid[0], grid[1], words, 11, hooks_of(&h, &hooks))) < 0)
+        mw_entry_failure(self);
+    Py_DECREF(h.nxt);
+    Py_DECREF(fire);
     return ok < 0 ? NULL : Py_NewRef(Py_True);
 }
 

@@ -201,40 +201,21 @@ static int launch_with(StageEntry *self, PyObject *fire, int gather, const long 
             padded = dirty;
     }
     /* the arguments: the lead (the staged batch's words; the spec's head: none), then the step's */
-    const Py_ssize_t nhead = lead == NULL ? PyTuple_GET_SIZE(self->head) : LEAD_ARGS;
     const long long items[STEP_ARGS] = {self->groups, ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], n, padded, tokens,
                                         self->splits};
-    PyObject *args = PyTuple_New(nhead + STEP_ARGS), *grid0 = NULL, *one = NULL;
-    if (args == NULL)
-        return -1;
-    for (Py_ssize_t i = 0; i < nhead + STEP_ARGS; i++) {
-        PyObject *item = i < nhead ? lead == NULL ? Py_NewRef(PyTuple_GET_ITEM(self->head, i))
-                                                  : PyLong_FromLongLong(lead[i])
-                                   : PyLong_FromLongLong(items[i - nhead]);
-        if (item == NULL)
-            goto fail;
-        PyTuple_SET_ITEM(args, i, item);
-    }
-    if ((grid0 = PyLong_FromLongLong(self->groups * (padded + 1) * self->splits + extra)) == NULL ||
-        (one = PyLong_FromLong(1)) == NULL)
-        goto fail;
-    if (mw_entry_fire(self, self->launcher, fire, grid0, one, args, hooks) < 0) {
+    long long values[LEAD_ARGS + STEP_ARGS];
+    memcpy(values, lead == NULL ? self->head_values : lead, sizeof(long long) * LEAD_ARGS);
+    memcpy(values + LEAD_ARGS, items, sizeof(items));
+    if (mw_entry_fire(self, self->launcher, fire, self->groups * (padded + 1) * self->splits + extra, 1, values,
+                      LEAD_ARGS + STEP_ARGS, hooks) < 0) {
         if (gather && !PyErr_ExceptionMatches(PyExc_Exception))
             mw_entry_set_dirty(self, dirty > n ? dirty : n); /* (an interrupt: the launch may have been issued) */
         mw_entry_failure(self);
-        goto fail;
+        return -1;
     }
     if (gather)
         mw_entry_set_dirty(self, n);
-    Py_DECREF(args);
-    Py_DECREF(grid0);
-    Py_DECREF(one);
     return 1;
-fail:
-    Py_XDECREF(args);
-    Py_XDECREF(grid0);
-    Py_XDECREF(one);
-    return -1;
 }
 
 int mw_entry_current(StageEntry *self) {
@@ -248,23 +229,49 @@ int mw_entry_current(StageEntry *self) {
     return ok <= 0 ? ok : current == self->index; /* (another device: the Python path switches to the tables') */
 }
 
-int mw_entry_fire(StageEntry *self, PyObject *launcher, PyObject *fire, PyObject *grid0, PyObject *grid1,
-                  PyObject *args, const LaunchHooks *hooks) {
+/* fire(grid0, grid1, stream, args) with `args` the `values` as Python ints: 1, or -1 (the error as raised). */
+static int fire_with_objects(PyObject *fire, long long grid0, long long grid1, PyObject *stream,
+                             const long long *values, Py_ssize_t n) {
+    PyObject *args = PyTuple_New(n), *g0 = PyLong_FromLongLong(grid0), *g1 = PyLong_FromLongLong(grid1);
+    int ok = args != NULL && g0 != NULL && g1 != NULL ? 0 : -1;
+    for (Py_ssize_t i = 0; i < n && ok == 0; i++) {
+        PyObject *item = PyLong_FromLongLong(values[i]);
+        if (item == NULL)
+            ok = -1;
+        else
+            PyTuple_SET_ITEM(args, i, item);
+    }
+    if (ok == 0) {
+        PyObject *call[4] = {g0, g1, stream, args};
+        PyObject *result = PyObject_Vectorcall(fire, call, 4, NULL);
+        ok = result == NULL ? -1 : 1;
+        Py_XDECREF(result);
+    }
+    Py_XDECREF(args);
+    Py_XDECREF(g0);
+    Py_XDECREF(g1);
+    return ok;
+}
+
+int mw_entry_fire(StageEntry *self, PyObject *launcher, PyObject *fire, long long grid0, long long grid1,
+                  const long long *values, Py_ssize_t n, const LaunchHooks *hooks) {
     ((mw_Countdown *)self->countdown)->left--; /* (the preamble's truth test: false, as mw_entry_preamble found) */
     if (hooks != NULL && hooks->before(hooks->ctx) < 0)
         return -1;
-    PyObject *stream = PyObject_CallOneArg(self->get_stream, self->index_obj), *result = NULL;
-    if (stream != NULL) { /* (after the hand-over, as TritonDevice.launch_on asks for it) */
-        PyObject *call[4] = {grid0, grid1, stream, args};
-        result = PyObject_Vectorcall(fire, call, 4, NULL);
-        Py_DECREF(stream);
-    }
-    if (result == NULL) {
+    /* (the stream after the hand-over, as TritonDevice.launch_on asks for it) */
+    PyObject *stream = PyObject_CallOneArg(self->get_stream, self->index_obj);
+    int ok = stream == NULL ? -1 : 0;
+    long long raw;
+    if (ok == 0 && Py_TYPE(fire) == &mw_DriverLaunchType && (ok = mw_as_ll(Py_NewRef(stream), &raw)) > 0)
+        ok = mw_driver_launch(fire, grid0, grid1, raw, values, n);
+    if (ok == 0)
+        ok = fire_with_objects(fire, grid0, grid1, stream, values, n);
+    Py_XDECREF(stream);
+    if (ok < 0) {
         if (hooks != NULL)
             hooks->after(hooks->ctx, 0);
         return -1;
     }
-    Py_DECREF(result);
     mw_count_one(launcher, mw_s_launches); /* (a statistic, as Launcher.launch counts it) */
     if (hooks != NULL)
         hooks->after(hooks->ctx, 1);

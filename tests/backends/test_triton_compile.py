@@ -167,6 +167,12 @@ def compile_one(case: tuple[str, str, str]) -> dict:
                      barrier="bar.sync" in isa or "barrier.sync" in isa)  # fmt: skip
         if kernel == "apply":
             facts["spills"] = _spills(isa, arch)
+        from multiwrite.backends.triton.launcher import driver_param_kinds
+
+        start = isa.index(".entry")
+        header = isa[start : isa.index(")", start)]
+        facts["ptx_params"] = [int(b) // 8 for b in re.findall(r"\.param\s+\.[bsu](\d+)", header)]
+        facts["driver_kinds"] = list(driver_param_kinds(k, len(constexprs)))
     else:
         facts.update(store=bool(re.search(r"\b(global|buffer|flat)_store", isa)),
                      atomic=bool(re.search(r"\b(global|buffer|flat)_atomic", isa)),
@@ -248,6 +254,10 @@ def test_the_kernel_compiles_to_machine_code(worker, kernel, variant, target):
         assert not k["volatile"] and k["write_through"] and k["barrier"]
     if kernel == "apply":
         assert k["spills"] == [0, 0], f"register spills {k['spills']}"
+    if backend == "cuda":  # the driver launch's layout: the passed arguments in order, then the scratch pointers
+        passed = [b for b in k["driver_kinds"] if b]
+        assert k["ptx_params"][: len(passed)] == passed and len(passed) > 0
+        assert k["ptx_params"][len(passed) :] in ([], [8], [8, 8]), k["ptx_params"]
 
 
 def test_no_per_launch_parameter_is_a_specialization_key(worker):
