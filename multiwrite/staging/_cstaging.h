@@ -53,6 +53,20 @@
     .tp_traverse = (traverseproc)prefix##_traverse, .tp_clear = (inquiry)prefix##_tp_clear,                           \
     .tp_dealloc = (destructor)prefix##_dealloc
 
+/* A vectorcall type (a struct `type` with a `vectorcall` field, a tp_init prefix_init and the GC functions of
+ * MW_GC_FUNCS): MW_VECTORCALL_NEW defines its tp_new prefix_new, which sets `vectorcall` to `call` (a call that
+ * refuses until prefix_init ran), MW_VECTORCALL_SLOTS its type object's slots after MW_TYPE_HEAD. */
+#define MW_VECTORCALL_NEW(prefix, type, call)                                                                         \
+    static PyObject *prefix##_new(PyTypeObject *cls, PyObject *args, PyObject *kwargs) {                              \
+        type *self = (type *)cls->tp_alloc(cls, 0);                                                                   \
+        if (self != NULL)                                                                                             \
+            self->vectorcall = (vectorcallfunc)(call);                                                                \
+        return (PyObject *)self;                                                                                      \
+    }
+#define MW_VECTORCALL_SLOTS(prefix, type)                                                                             \
+    .tp_new = prefix##_new, .tp_init = (initproc)prefix##_init, .tp_vectorcall_offset = offsetof(type, vectorcall),   \
+    .tp_call = PyVectorcall_Call, MW_GC_SLOTS(prefix)
+
 /* A GC type's strong references are the PyObject * fields at `refs` (their offsets, ended by -1): its traverse visits
  * them (mw_visit_refs), its tp_clear drops them (mw_clear_refs), and its dealloc untracks the object, runs its
  * tp_clear `clear` and frees it (mw_gc_dealloc). */

@@ -183,24 +183,14 @@ done:
     return ok;
 }
 
-static PyObject *driver_launch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    DriverLaunch *self = (DriverLaunch *)type->tp_alloc(type, 0);
-    if (self != NULL)
-        self->vectorcall = (vectorcallfunc)driver_launch_call; /* (refuses until init: fallback is NULL) */
-    return (PyObject *)self;
-}
+MW_VECTORCALL_NEW(driver_launch, DriverLaunch, driver_launch_call) /* (refuses until init: fallback is NULL) */
 
 static const Py_ssize_t driver_launch_refs[] = {offsetof(DriverLaunch, fallback), -1};
 
 MW_GC_FUNCS(driver_launch, DriverLaunch)
 
 static PyMemberDef driver_launch_members[] = {
-    {"fallback", T_OBJECT, offsetof(DriverLaunch, fallback), READONLY, "fire through Triton's launcher"},
-    {"pdl", T_INT, offsetof(DriverLaunch, pdl), READONLY, "launched with programmatic stream serialization"},
-    {"extra", T_PYSSIZET, offsetof(DriverLaunch, extra), READONLY, "trailing zero pointer parameters"},
-    {NULL},
-};
-
+    {"fallback", T_OBJECT, offsetof(DriverLaunch, fallback), READONLY, "fire through Triton's launcher"}, {NULL}};
 static PyMethodDef driver_launch_methods[] = {{NULL}};
 
 PyTypeObject mw_DriverLaunchType = {
@@ -208,9 +198,5 @@ PyTypeObject mw_DriverLaunchType = {
                  "DriverLaunch(launch_ex, function, block_x, shared, pdl, kinds, extra, fallback):\n"
                  "fire(grid0, grid1, stream, args) as one cuLaunchKernelEx of `function` (kinds: per entry of args\n"
                  "0 skipped, 4 or 8 bytes; then `extra` zero pointers); what it does not take goes to fallback."),
-    .tp_new = driver_launch_new,
-    .tp_init = (initproc)driver_launch_init,
-    .tp_vectorcall_offset = offsetof(DriverLaunch, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    MW_GC_SLOTS(driver_launch),
+    MW_VECTORCALL_SLOTS(driver_launch, DriverLaunch),
 };

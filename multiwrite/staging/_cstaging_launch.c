@@ -95,12 +95,7 @@ static int fast_launch_init(FastLaunch *self, PyObject *args, PyObject *kwargs) 
     return 0;
 }
 
-static PyObject *fast_launch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    FastLaunch *self = (FastLaunch *)type->tp_alloc(type, 0);
-    if (self != NULL)
-        self->vectorcall = (vectorcallfunc)fast_launch_call; /* (refuses until init: head is NULL) */
-    return (PyObject *)self;
-}
+MW_VECTORCALL_NEW(fast_launch, FastLaunch, fast_launch_call) /* (refuses until init: head is NULL) */
 
 static const Py_ssize_t fast_launch_refs[] = {offsetof(FastLaunch, launch), offsetof(FastLaunch, head),
                                               offsetof(FastLaunch, consts), -1};
@@ -123,9 +118,5 @@ PyTypeObject mw_FastLaunchType = {
                  "launch(grid0, grid1, 1, stream, *head, *args, *consts), or with packed\n"
                  "launch(grid0, grid1, 1, stream, *head, (*args, *consts)). Python twin: the closures of\n"
                  "multiwrite.backends.triton.launcher.bind_fast_launcher."),
-    .tp_new = fast_launch_new,
-    .tp_init = (initproc)fast_launch_init,
-    .tp_vectorcall_offset = offsetof(FastLaunch, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    MW_GC_SLOTS(fast_launch),
+    MW_VECTORCALL_SLOTS(fast_launch, FastLaunch),
 };
