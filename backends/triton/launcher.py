@@ -227,7 +227,8 @@ def cuda_driver() -> tuple[int, Callable[[int], list[int]]]:
     a CUfunction (cuFuncGetParamInfo, CUDA 12.4 and newer).
 
     Raises:
-        OSError: no libcuda.so.1; AttributeError: a driver without those entry points.
+        OSError: no libcuda.so.1; AttributeError: a driver without those entry points; from `param_sizes`,
+        RuntimeError: an error of cuFuncGetParamInfo other than "past the last parameter".
     """
     import ctypes
 
@@ -240,9 +241,14 @@ def cuda_driver() -> tuple[int, Callable[[int], list[int]]]:
 
     def param_sizes(function: int) -> list[int]:
         sizes, offset, size = [], size_t(), size_t()
-        while len(sizes) < 1024 and info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size)) == 0:
+        while len(sizes) < 1024:
+            result = info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size))
+            if result == 1:  # CUDA_ERROR_INVALID_VALUE: past the last parameter
+                return sizes
+            if result != 0:
+                raise RuntimeError(f"cuFuncGetParamInfo({len(sizes)}): CUDA error {result}")
             sizes.append(size.value)
-        return sizes
+        raise RuntimeError("cuFuncGetParamInfo: more than 1024 parameters")
 
     return launch_ex, param_sizes
 

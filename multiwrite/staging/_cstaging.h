@@ -175,6 +175,8 @@ MW_INTERNAL extern PyTypeObject mw_DriverLaunchType;
  * it passes, or the driver refused; the caller calls fire with these arguments as Python ints). No error is set. */
 MW_INTERNAL int mw_driver_launch(PyObject *fire, long long grid0, long long grid1, long long stream,
                                  const long long *values, Py_ssize_t n);
+/* A DriverLaunch's fallback (borrowed): where a launch it did not take goes. */
+MW_INTERNAL PyObject *mw_driver_fallback(PyObject *fire);
 
 /* ---- StageEntry (_cstaging_stage.c) --------------------------------------------------------------------- */
 

@@ -29,8 +29,16 @@ typedef struct {
     union {
         char pad[64];
         int value;
+        void *align; /* (the union's pointer members: 8-byte alignment, as cuda.h's) */
     } value;
 } mw_LaunchAttribute;
+
+_Static_assert(sizeof(mw_LaunchConfig) == 56 && offsetof(mw_LaunchConfig, stream) == 32 &&
+                   offsetof(mw_LaunchConfig, attrs) == 40 && offsetof(mw_LaunchConfig, num_attrs) == 48,
+               "CUlaunchConfig's layout (cuda.h, 64-bit)");
+_Static_assert(sizeof(mw_LaunchAttribute) == 72 && offsetof(mw_LaunchAttribute, value) == 8 &&
+                   _Alignof(mw_LaunchAttribute) == 8,
+               "CUlaunchAttribute's layout (cuda.h, 64-bit)");
 
 typedef int (*mw_launch_ex_t)(const mw_LaunchConfig *config, void *function, void **params, void **extra);
 
@@ -99,6 +107,11 @@ int mw_driver_launch(PyObject *fire, long long grid0, long long grid1, long long
                      Py_ssize_t n) {
     DriverLaunch *self = (DriverLaunch *)fire;
     return self->fallback != NULL && n == self->num_kinds && launch_values(self, grid0, grid1, stream, values);
+}
+
+PyObject *mw_driver_fallback(PyObject *fire) {
+    PyObject *fallback = ((DriverLaunch *)fire)->fallback;
+    return fallback != NULL ? fallback : fire; /* (uninitialized: its own call refuses) */
 }
 
 /* An exact int into *out: 1, or 0 (not taken: no error left set). */

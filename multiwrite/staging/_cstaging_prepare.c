@@ -172,12 +172,11 @@ static int staged_slot(StageEntry *self, Handover *h, long long *counter) {
 
 /* The lead of the launch on the staged batch (TritonPlan._stage with a lease): 1, 0 (not taken), -1 (error). */
 static int staged_lead(StageEntry *self, Handover *h, long long w, long long v, long long lead[12], long long *extra) {
-    long long counter, sdesc;
+    long long counter;
     int ok = staged_slot(self, h, &counter);
-    if (ok > 0)
-        ok = mw_as_ll(Py_NewRef(PyTuple_GET_ITEM(self->head, 0)), &sdesc);
     if (ok <= 0)
         return ok;
+    const long long sdesc = self->head_values[0]; /* (the stage descriptors' address) */
     long long grid[2];
     mw_apply_grid(w, v, 1, self->stage_tiling, self->max_programs, grid);
     const long long words[12] = {sdesc, h->lease->meta_addr, h->lease->values_addr, h->lease->bounds_addr, counter,

@@ -259,13 +259,20 @@ int mw_entry_fire(StageEntry *self, PyObject *launcher, PyObject *fire, long lon
     if (hooks != NULL && hooks->before(hooks->ctx) < 0)
         return -1;
     /* (the stream after the hand-over, as TritonDevice.launch_on asks for it) */
-    PyObject *stream = PyObject_CallOneArg(self->get_stream, self->index_obj);
+    PyObject *stream = PyObject_CallOneArg(self->get_stream, self->index_obj), *target = fire;
     int ok = stream == NULL ? -1 : 0;
     long long raw;
-    if (ok == 0 && Py_TYPE(fire) == &mw_DriverLaunchType && (ok = mw_as_ll(Py_NewRef(stream), &raw)) > 0)
-        ok = mw_driver_launch(fire, grid0, grid1, raw, values, n);
+    if (ok == 0 && Py_TYPE(fire) == &mw_DriverLaunchType) {
+        ok = mw_as_ll(Py_NewRef(stream), &raw);
+        if (ok < 0 && PyErr_ExceptionMatches(PyExc_OverflowError)) /* (a stream past a long long: Triton's) */
+            PyErr_Clear(), ok = 0;
+        if (ok > 0)
+            ok = mw_driver_launch(fire, grid0, grid1, raw, values, n);
+        if (ok == 0) /* (not taken: Triton's launcher, without asking the driver again) */
+            target = mw_driver_fallback(fire);
+    }
     if (ok == 0)
-        ok = fire_with_objects(fire, grid0, grid1, stream, values, n);
+        ok = fire_with_objects(target, grid0, grid1, stream, values, n);
     Py_XDECREF(stream);
     if (ok < 0) {
         if (hooks != NULL)

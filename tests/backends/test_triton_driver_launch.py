@@ -193,9 +193,9 @@ def _kinds(fn) -> bytes:
 def test_the_stage_entry_hands_the_driver_the_arguments_triton_would_get(monkeypatch):
     """The compiled stage entry (`_cstaging.StageEntry`) passes a DriverLaunch its launch's ints without Python
     objects: the parameters the driver gets are the arguments Triton's launcher gets for the same launch (here the
-    driver refuses each launch, so that the Python-object call and then the stand-in launcher, which records and
-    runs it through the interpreter, follow), for prepare_inputs with staged writes, gathers, slot mappings and
-    apply_staged_writes."""
+    driver refuses each launch, so that the stand-in launcher, the fallback, which records and runs it through the
+    interpreter, follows without the driver asked twice), for prepare_inputs with staged writes, gathers, slot
+    mappings and apply_staged_writes."""
     from multiwrite.backends.triton.kernels import apply, stage
     from tests.support.stage_entry import GROUPS, engine_steps, entry_tables, stage_rows
 
@@ -219,8 +219,31 @@ def test_the_stage_entry_hands_the_driver_the_arguments_triton_would_get(monkeyp
     launched = {"stage": [c[1:] for c in stand_in.calls], "apply": [c[1:] for c in stand_in.apply.calls]}
     assert len(launched["stage"]) >= 20 and len(launched["apply"]) >= 5
     for name, driver in drivers.items():
-        # two refused driver calls per launch: the entry's ints, then the Python-object call's
-        assert len(driver.calls) == 2 * len(launched[name])
-        for (grid0, grid1, args), first, second in zip(launched[name], driver.calls[::2], driver.calls[1::2]):
-            assert first == second and first["grid"] == (grid0, grid1, 1)
-            assert first["params"] == [int(np.int32(a)) if k == 4 else int(a) for a, k in zip(args, kinds[name])]
+        assert len(driver.calls) == len(launched[name])  # (one refused driver call per launch, then the fallback)
+        for (grid0, grid1, args), call in zip(launched[name], driver.calls):
+            assert call["grid"] == (grid0, grid1, 1)
+            assert call["params"] == [int(np.int32(a)) if k == 4 else int(a) for a, k in zip(args, kinds[name])]
+
+
+@needs_helper
+def test_a_launch_the_driver_takes_is_issued_once(monkeypatch):
+    """The driver accepts: each of the entry's launches is one driver call and nothing reaches Triton's launcher
+    (the stand-in, which records every call it gets). No kernel runs, so no ring slot is handed back: fewer staged
+    launches than the ring's eight slots."""
+    from multiwrite.backends.triton.kernels import apply, stage
+    from tests.support.stage_entry import GROUPS, engine_steps, entry_tables, stage_rows
+
+    bt, stand_in = entry_tables(monkeypatch, **GROUPS)
+    kinds = {"stage": _kinds(stage.stage_kernel_fn), "apply": _kinds(apply.apply_kernel_fn)}
+    drivers = {name: FakeDriver(list(k)) for name, k in kinds.items()}
+    for name, launcher in (("stage", stand_in), ("apply", stand_in.apply)):
+        for key, fire in list(launcher.fire.items()):
+            launcher.fire[key] = _cstaging.DriverLaunch(drivers[name].address, 1, 128, 0, False, kinds[name], 0, fire)
+    stage_rows(bt, np.random.default_rng(1))
+    for idx, padded, nct, qsl, pos, tokens, pad in engine_steps(np.random.default_rng(4), 4):
+        bt._mode._countdown.restart()
+        bt.append_block_ids(2, [[5], [], [7]], True)
+        bt.prepare_inputs(idx, qsl, pos, padded, tokens, pad, nct)
+        bt.gather_block_tables(idx, padded, num_computed_tokens=nct)
+    assert stand_in.calls == [] and stand_in.apply.calls == []
+    assert len(drivers["stage"].calls) == stand_in.launches == 8 and len(drivers["apply"].calls) == 1
