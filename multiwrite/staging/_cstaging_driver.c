@@ -33,12 +33,14 @@ typedef struct {
     } value;
 } mw_LaunchAttribute;
 
+#if UINTPTR_MAX == 0xFFFFFFFFFFFFFFFFu /* (CUDA's driver launch: 64-bit hosts) */
 _Static_assert(sizeof(mw_LaunchConfig) == 56 && offsetof(mw_LaunchConfig, stream) == 32 &&
                    offsetof(mw_LaunchConfig, attrs) == 40 && offsetof(mw_LaunchConfig, num_attrs) == 48,
                "CUlaunchConfig's layout (cuda.h, 64-bit)");
 _Static_assert(sizeof(mw_LaunchAttribute) == 72 && offsetof(mw_LaunchAttribute, value) == 8 &&
                    _Alignof(mw_LaunchAttribute) == 8,
                "CUlaunchAttribute's layout (cuda.h, 64-bit)");
+#endif
 
 typedef int (*mw_launch_ex_t)(const mw_LaunchConfig *config, void *function, void **params, void **extra);
 
